@@ -1,0 +1,45 @@
+"""Check every answer before any file is written; cookiecutter removes the folder on failure.
+
+Each problem is reported as one line naming the prompt and what it accepts, then exit 1.
+"""
+
+import keyword
+import re
+import sys
+
+# tojson renders each answer as a JSON string, which is also a valid Python string literal,
+# whatever quotes or backslashes the answer holds.
+ANSWERS = {
+    "project_name": {{ cookiecutter.project_name | string | tojson }},
+    "project_slug": {{ cookiecutter.project_slug | string | tojson }},
+    "gpus_per_node": {{ cookiecutter.gpus_per_node | string | tojson }},
+}
+MAX_GPUS_PER_NODE = 1024
+
+
+def problems(answers: dict) -> list[str]:
+    found = []
+    if not answers["project_name"].strip():
+        found.append("project_name is empty: give the project a name, e.g. 'My DDP Experiment'")
+    slug = answers["project_slug"]
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", slug):
+        found.append(
+            f"project_slug {slug!r} is not a valid Python identifier: use letters, digits and "
+            "underscores, not starting with a digit, e.g. my_ddp_experiment"
+        )
+    elif keyword.iskeyword(slug) or keyword.issoftkeyword(slug):
+        found.append(f"project_slug {slug!r} is a Python keyword: pick another name, e.g. {slug}_exp")
+    gpus = answers["gpus_per_node"].strip()
+    if not re.fullmatch(r"[0-9]+", gpus) or not 1 <= int(gpus) <= MAX_GPUS_PER_NODE:
+        found.append(
+            f"gpus_per_node {gpus!r} is not valid: give a whole number from 1 to "
+            f"{MAX_GPUS_PER_NODE} (the processes torchrun starts on each machine)"
+        )
+    return found
+
+
+if __name__ == "__main__":
+    errors = problems(ANSWERS)
+    for line in errors:
+        print(f"error: {line}", file=sys.stderr)
+    sys.exit(1 if errors else 0)

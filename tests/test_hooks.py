@@ -1,0 +1,31 @@
+"""Bad answers are refused before anything is written, with one line naming the prompt."""
+
+import pytest
+from conftest import TEMPLATE
+from cookiecutter.exceptions import FailedHookException
+from cookiecutter.main import cookiecutter
+
+
+@pytest.mark.parametrize(
+    ("answers", "field"),
+    [
+        ({"project_slug": "my-proj"}, "project_slug"),
+        ({"project_slug": "1abc"}, "project_slug"),
+        ({"project_slug": "class"}, "project_slug"),
+        ({"project_slug": ""}, "project_slug"),
+        ({"gpus_per_node": "0"}, "gpus_per_node"),
+        ({"gpus_per_node": "-1"}, "gpus_per_node"),
+        ({"gpus_per_node": "abc"}, "gpus_per_node"),
+        ({"gpus_per_node": "2.5"}, "gpus_per_node"),
+    ],
+)
+def test_bad_answer_is_rejected(tmp_path, capfd, answers, field):
+    with pytest.raises(FailedHookException):
+        cookiecutter(str(TEMPLATE), no_input=True, extra_context=answers, output_dir=tmp_path)
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, errors
+    value = next(iter(answers.values()))
+    assert errors[0].startswith(f"error: {field} {value!r}")
+    allowed = "whole number from 1" if field == "gpus_per_node" else "letters, digits"
+    assert allowed in errors[0] or "keyword" in errors[0]
+    assert list(tmp_path.iterdir()) == []  # nothing left behind

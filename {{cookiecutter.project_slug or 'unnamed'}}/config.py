@@ -1,0 +1,294 @@
+"""Experiment configuration: one typed schema holds every default.
+
+A run's configuration is built in three layers, each overriding the one before:
+
+    the dataclasses below  <-  configs/default.yaml (or --config FILE)  <-  key=value arguments
+
+Unknown keys and values of the wrong type are rejected with one line that names the key.
+This module does not import torch, so `run.sh` can check a command line in a fraction of a
+second before it starts any worker (`python config.py --world-size 2 optim.lr=0.01`).
+"""
+
+import difflib
+import sys
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+PROJECT_DIR = Path(__file__).resolve().parent
+DEFAULT_CONFIG_FILE = PROJECT_DIR / "configs" / "default.yaml"
+
+
+class UserError(Exception):
+    """A mistake the user fixes by changing a command line, a config file or a path.
+
+    Entry points print its message once (on rank 0) and exit with status 2, no traceback.
+    """
+
+
+@dataclass
+class RunConfig:
+    name: str = "digits-mlp"  # prefix of the run folder's name
+    output_dir: str = "runs"  # run folders are created here
+    dir: str = ""  # use exactly this run folder instead of a new timestamped one
+    seed: int = 0  # model init and data order; the same on every rank
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "digits"  # digits (scikit-learn, ships offline) | synthetic
+    val_fraction: float = 0.15
+    test_fraction: float = 0.2
+    split_seed: int = 0  # fixes the train/val/test split, independent of run.seed
+    num_workers: int = 0  # DataLoader worker processes per rank
+    synthetic_samples: int = 2000
+    synthetic_features: int = 32
+    synthetic_classes: int = 4
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mlp"  # a key of model.MODELS
+    hidden_dim: int = 256
+    num_layers: int = 2  # hidden layers
+    dropout: float = 0.1
+    batchnorm: bool = False  # BatchNorm1d after each hidden layer
+    sync_batchnorm: bool = False  # convert BatchNorm to SyncBatchNorm (statistics over all ranks)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 0.002
+    weight_decay: float = 0.01
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | constant (after warmup)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 30
+    global_batch_size: int = 64  # summed over all processes; each rank takes 1/world_size of it
+    log_every: int = 10  # steps between logged (and cross-rank reduced) training scalars
+    ckpt_every: int = 200  # steps between checkpoints; 0 saves only at the end
+    device: str = "auto"  # auto (cuda when available) | cuda | cpu
+    progress_bar: bool = True  # tqdm bar on rank 0 when attached to a terminal
+
+
+@dataclass
+class DDPConfig:
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    timeout_minutes: float = 10.0  # a collective waiting longer than this fails instead of hanging
+    find_unused_parameters: bool = False  # needed only if forward skips some parameters
+    static_graph: bool = False  # same used parameters every step: lets DDP optimise
+    gradient_as_bucket_view: bool = True  # gradients alias DDP's buckets: saves a copy
+
+
+@dataclass
+class EvalConfig:
+    checkpoint: str = ""  # a checkpoint file, or a run folder (its latest checkpoint)
+    split: str = "test"  # test | val
+    batch_size: int = 256  # per process; evaluation has no global-batch semantics
+    output_dir: str = ""  # default: <run folder>/eval-<split>
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+CHOICES = {
+    "data.dataset": ("digits", "synthetic"),
+    "optim.schedule": ("cosine", "constant"),
+    "train.device": ("auto", "cuda", "cpu"),
+    "ddp.backend": ("auto", "nccl", "gloo"),
+    "eval.split": ("test", "val"),
+}
+POSITIVE = (
+    "data.synthetic_samples", "data.synthetic_features", "model.hidden_dim", "optim.lr",
+    "train.epochs", "train.global_batch_size", "train.log_every", "ddp.timeout_minutes",
+    "eval.batch_size",
+)
+NON_NEGATIVE = (
+    "data.num_workers", "model.num_layers", "optim.weight_decay", "optim.warmup_steps",
+    "train.ckpt_every",
+)
+TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
+
+# Old launchers (`python -m torch.distributed.launch`) append --local_rank=N / --local-rank=N.
+# torchrun puts the same value in LOCAL_RANK, which is what dist_utils reads.
+LAUNCHER_FLAGS = ("--local_rank", "--local-rank")
+
+
+def schema_type(dotted_key: str):
+    """The Python type the schema declares for `section.key`, or None if there is no such key."""
+    node = Config
+    for part in dotted_key.split("."):
+        if not is_dataclass(node):
+            return None
+        match = [f for f in fields(node) if f.name == part]
+        if not match:
+            return None
+        node = match[0].type
+    return node
+
+
+def _given_value(layer, key: str):
+    """What the user wrote for `key` in a layer (a list of overrides or a loaded YAML file)."""
+    if isinstance(layer, list):
+        values = [item.partition("=")[2] for item in layer if item.partition("=")[0] == key]
+        return values[-1] if values else None
+    return OmegaConf.select(layer, key, default=None, throw_on_missing=False)
+
+
+def _explain(error: OmegaConfBaseException, source: str, layer) -> UserError:
+    """Turn an OmegaConf error into one sentence naming the key and what it accepts."""
+    key = getattr(error, "full_key", None) or getattr(error, "key", None)
+    if not key:
+        return UserError(f"cannot apply {source}: {str(error).splitlines()[0]}")
+    if isinstance(error, ConfigKeyError):
+        parent, _, leaf = str(key).rpartition(".")
+        section = schema_type(parent) if parent else Config
+        known = [f.name for f in fields(section)] if is_dataclass(section) else []
+        close = difflib.get_close_matches(leaf, known, n=1)
+        hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+        where = f"section {parent}" if parent else "the config"
+        return UserError(
+            f"{key} is not a config key ({source}); {where} has: {', '.join(known)}{hint}"
+        )
+    expected = TYPE_WORDS.get(schema_type(str(key)), "a section, not a value")
+    value = _given_value(layer, str(key))
+    return UserError(f"{key}={value} is not valid ({source}): {key} must be {expected}")
+
+
+def parse_args(argv: list[str]) -> tuple[Path, list[str]]:
+    """Split a command line into the YAML file to start from and key=value overrides."""
+    config_file = DEFAULT_CONFIG_FILE
+    overrides = []
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        flag, has_value, value = arg.partition("=")
+        if flag in LAUNCHER_FLAGS:
+            if not has_value and args and args[0].isdigit():
+                args.pop(0)
+        elif flag == "--config":
+            if not has_value:
+                if not args:
+                    raise UserError("--config needs a file: --config configs/my_experiment.yaml")
+                value = args.pop(0)
+            config_file = Path(value)
+        elif arg.startswith("-"):
+            raise UserError(
+                f"unknown option {arg}: options are --config FILE and key=value overrides "
+                "such as optim.lr=0.01 (see configs/default.yaml for every key)"
+            )
+        elif not has_value or not flag:
+            raise UserError(f"{arg!r} is not a key=value override, e.g. train.epochs=5")
+        elif is_dataclass(schema_type(flag)):
+            example = f"{flag}.{fields(schema_type(flag))[0].name}="
+            raise UserError(f"{flag} is a section: set its keys one at a time, e.g. {example}")
+        else:
+            overrides.append(arg)
+    return config_file, overrides
+
+
+def _check_values(cfg: DictConfig, world_size: int | None) -> None:
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise UserError(f"{key}={value} is not valid: choose one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if not OmegaConf.select(cfg, key) > 0:
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)} is not valid: it must be > 0")
+    for key in NON_NEGATIVE:
+        if OmegaConf.select(cfg, key) < 0:
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)} is not valid: it must be >= 0")
+    for key in ("data.val_fraction", "data.test_fraction"):
+        if not 0 < OmegaConf.select(cfg, key) < 1:
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)} must be between 0 and 1")
+    if cfg.data.val_fraction + cfg.data.test_fraction >= 1:
+        raise UserError("data.val_fraction + data.test_fraction must leave samples to train on")
+    if cfg.data.dataset == "synthetic" and cfg.data.synthetic_classes < 2:
+        raise UserError("data.synthetic_classes must be at least 2")
+    if world_size is not None:
+        check_batch_divides(cfg, world_size)
+
+
+def check_batch_divides(cfg: DictConfig, world_size: int) -> None:
+    batch = cfg.train.global_batch_size
+    if batch % world_size:
+        lower = batch - batch % world_size
+        raise UserError(
+            f"train.global_batch_size={batch} does not divide by the {world_size} processes: "
+            f"use a multiple of {world_size}, e.g. train.global_batch_size={lower or world_size}"
+        )
+
+
+def load_config(argv: list[str], world_size: int | None = None) -> DictConfig:
+    """Build the run's config from a command line; raises UserError naming what to fix.
+
+    With `world_size`, also checks what depends on the process count (the batch split).
+    """
+    config_file, overrides = parse_args(argv)
+    cfg = OmegaConf.structured(Config)
+    if not config_file.is_file():
+        raise UserError(f"config file not found: {config_file}")
+    try:
+        file_cfg = OmegaConf.load(config_file)
+    except Exception as error:  # YAML syntax errors come in several types
+        raise UserError(f"{config_file} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(file_cfg, DictConfig):
+        raise UserError(f"{config_file} must hold sections such as 'train:', not a list")
+    for layer, source in ((file_cfg, str(config_file)), (overrides, "command line")):
+        try:
+            as_config = OmegaConf.from_dotlist(layer) if isinstance(layer, list) else layer
+            cfg = OmegaConf.merge(cfg, as_config)
+        except (ConfigKeyError, ValidationError) as error:
+            raise _explain(error, source, layer) from None
+        except OmegaConfBaseException as error:
+            raise UserError(f"cannot apply {source}: {str(error).splitlines()[0]}") from None
+    try:
+        OmegaConf.resolve(cfg)  # ${...} interpolations become plain values now, not at use
+    except OmegaConfBaseException as error:
+        raise UserError(f"cannot resolve an interpolation: {str(error).splitlines()[0]}") from None
+    _check_values(cfg, world_size)
+    return cfg
+
+
+def config_from_dict(values: dict, source: str) -> DictConfig:
+    """Rebuild a validated config from a plain dict, e.g. the one stored in a checkpoint."""
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), values)
+    except (ConfigKeyError, ValidationError) as error:
+        raise _explain(error, source, values) from None
+    _check_values(cfg, None)
+    return cfg
+
+
+def main(argv: list[str]) -> int:
+    """`python config.py [--world-size N] [--config FILE] [key=value ...]`: check, print YAML."""
+    world_size = None
+    try:
+        if argv[:1] == ["--world-size"]:
+            if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
+                raise UserError("--world-size needs a whole number of processes, at least 1")
+            world_size, argv = int(argv[1]), argv[2:]
+        cfg = load_config(argv, world_size)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if world_size is None:
+        print(OmegaConf.to_yaml(cfg), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Launch training (or another entry point) on this machine with torchrun, one process per GPU.
+#
+#   ./run.sh                                  # train.py with configs/default.yaml
+#   ./run.sh train.epochs=50 optim.lr=0.001   # key=value overrides, checked before launch
+#   ./run.sh evaluate.py eval.checkpoint=runs/<run>
+#   NPROC_PER_NODE=4 ./run.sh                 # another process count (default: {{ cookiecutter.gpus_per_node }})
+#
+# OMP_NUM_THREADS defaults to this machine's cores divided by the processes (at least 1), so
+# the processes do not oversubscribe the CPU and torchrun does not warn about it.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+nproc_per_node="${NPROC_PER_NODE:-{{ cookiecutter.gpus_per_node }}}"
+python="${PYTHON:-python3}"
+
+if ! [[ "$nproc_per_node" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: NPROC_PER_NODE=$nproc_per_node is not valid: it must be a whole number of processes, at least 1" >&2
+  exit 2
+fi
+
+script=train.py
+if [[ $# -gt 0 && "$1" == *.py ]]; then
+  script="$1"
+  shift
+fi
+if [[ ! -f "$script" ]]; then
+  echo "error: $script not found in $(pwd): run train.py, evaluate.py or another script of this project" >&2
+  exit 2
+fi
+
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+  cores=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+  threads=$((cores / nproc_per_node))
+  export OMP_NUM_THREADS=$((threads > 0 ? threads : 1))
+fi
+
+# Check the command line before any worker starts: a typo fails in a second, with one message.
+preflight=("$python" config.py)
+if [[ "$script" == train.py ]]; then
+  preflight+=(--world-size "$nproc_per_node")
+fi
+"${preflight[@]}" "$@" >/dev/null
+
+exec torchrun --standalone --nnodes=1 --nproc_per_node="$nproc_per_node" "$script" "$@"

@@ -1,0 +1,55 @@
+"""Shared helpers: a tiny synthetic setup and a way to run the project's commands for real."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROJECT = Path(__file__).resolve().parents[1]
+
+# 352 synthetic samples split into 228 train (divisible by 1, 2, 3, 4 and 6 processes),
+# 53 val and 71 test (divisible by neither 2 nor 3): uneven evaluation shards on purpose.
+TINY = [
+    "data.dataset=synthetic", "data.synthetic_samples=352", "data.synthetic_features=16",
+    "model.hidden_dim=32", "train.global_batch_size=12", "train.epochs=3",
+    "train.log_every=5", "train.ckpt_every=20", "optim.warmup_steps=5", "optim.lr=0.01",
+    "train.progress_bar=false",
+]
+TINY_SPLIT = {"train": 228, "val": 53, "test": 71}
+
+
+def command_env(**extra: str) -> dict:
+    """The environment for a child command: this interpreter's tools first, one thread each."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHON"] = sys.executable
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run(args: list[str], timeout: float = 240, **extra_env: str) -> subprocess.CompletedProcess:
+    """Run a command in the project folder; stdout and stderr together in `.stdout`."""
+    return subprocess.run(
+        args, cwd=PROJECT, env=command_env(**extra_env), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False,
+    )
+
+
+def torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={nproc}", script, *args])
+
+
+def only_run_dir(output_dir: Path) -> Path:
+    runs = list(output_dir.iterdir())
+    assert len(runs) == 1, f"expected one run folder, found {runs}"
+    return runs[0]
+
+
+@pytest.fixture
+def tiny_args(tmp_path) -> list[str]:
+    return [*TINY, f"run.output_dir={tmp_path / 'runs'}"]

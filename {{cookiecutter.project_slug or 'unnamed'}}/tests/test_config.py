@@ -1,0 +1,74 @@
+"""The config schema: defaults, overrides, and the one-line errors for bad input."""
+
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from config import DEFAULT_CONFIG_FILE, PROJECT_DIR, Config, UserError, load_config, parse_args
+
+
+def test_yaml_shows_exactly_the_schema_defaults():
+    # One source of defaults: the YAML may not add, drop or change any value of the schema.
+    schema = OmegaConf.to_container(OmegaConf.structured(Config))
+    assert OmegaConf.to_container(OmegaConf.load(DEFAULT_CONFIG_FILE)) == schema
+
+
+def test_overrides_are_typed_and_applied():
+    cfg = load_config(["optim.lr=1e-2", "train.epochs=7", "model.batchnorm=true"])
+    assert cfg.optim.lr == pytest.approx(0.01)
+    assert cfg.train.epochs == 7 and cfg.model.batchnorm is True
+
+
+def test_config_file_and_launcher_flags(tmp_path):
+    custom = tmp_path / "exp.yaml"
+    custom.write_text("train:\n  epochs: 4\n")
+    # --local_rank / --local-rank come from python -m torch.distributed.launch: accepted quietly.
+    argv = ["--local_rank=1", "--config", str(custom), "--local-rank", "1", "optim.lr=0.5"]
+    cfg = load_config(argv)
+    assert cfg.train.epochs == 4 and cfg.optim.lr == 0.5
+    assert parse_args(argv)[1] == ["optim.lr=0.5"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "world_size", "expected"),
+    [
+        (["optim.lrr=0.1"], None, "optim.lrr is not a config key"),
+        (["optim.lrr=0.1"], None, "did you mean optim.lr?"),
+        (["train.epochs=abc"], None, "train.epochs=abc is not valid"),
+        (["train.epochs=2.5"], None, "must be a whole number"),
+        (["train.epochs=0"], None, "train.epochs=0 is not valid"),
+        (["data.dataset=mnist"], None, "choose one of digits, synthetic"),
+        (["train=3"], None, "train is a section"),
+        (["epochs"], None, "not a key=value override"),
+        (["--bogus"], None, "unknown option --bogus"),
+        (["train.global_batch_size=64"], 3, "does not divide by the 3 processes"),
+    ],
+)
+def test_bad_input_names_the_key(argv, world_size, expected):
+    with pytest.raises(UserError, match=expected.replace("?", r"\?")):
+        load_config(argv, world_size)
+
+
+def test_bad_key_in_yaml_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  lr: 0.1\n  momentum: 0.9\n")
+    with pytest.raises(UserError, match=f"optim.momentum is not a config key \\({bad}\\)"):
+        load_config(["--config", str(bad)])
+
+
+def test_preflight_cli_is_one_line_and_fast_to_import():
+    result = subprocess.run(
+        [sys.executable, "config.py", "--world-size", "2", "train.epochs=abc"],
+        cwd=PROJECT_DIR, capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: train.epochs=abc is not valid (command line): train.epochs must be a whole number"
+    ]
+    # run.sh calls config.py before every launch: it must not pay for importing torch.
+    probe = "import sys, config; print('torch' in sys.modules)"
+    imported = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT_DIR, text=True,
+                              capture_output=True, check=True)
+    assert imported.stdout.strip() == "False"

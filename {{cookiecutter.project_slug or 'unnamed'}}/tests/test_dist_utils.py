@@ -1,0 +1,89 @@
+"""dist_utils in one process: environment parsing, state-dict keys, checkpoint safety."""
+
+import os
+import zipfile
+
+import pytest
+import torch
+
+import dist_utils
+from config import UserError
+from model import MLP, unwrap
+
+
+def test_single_process_fallback(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    env = dist_utils.get_dist_env()
+    assert (env.rank, env.local_rank, env.world_size, env.launched) == (0, 0, 1, False)
+
+
+def test_torchrun_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    env = dist_utils.get_dist_env()
+    assert (env.rank, env.local_rank, env.world_size, env.is_main) == (5, 1, 8, False)
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(UserError, match="WORLD_SIZE"):
+        dist_utils.get_dist_env()
+
+
+def test_state_dict_keys_carry_no_wrapper_prefixes():
+    model = MLP(4, 3, 8, 1, 0.0, batchnorm=False)
+    wrapped = {f"module._orig_mod.{k}": v for k, v in model.state_dict().items()}
+    assert dist_utils.clean_state_dict(wrapped).keys() == model.state_dict().keys()
+    assert unwrap(torch.compile(model)) is model
+
+
+def test_save_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    dist_utils.save_checkpoint({"model": {"w": torch.ones(2)}}, path)
+
+    def write_half_then_fail(obj, handle):
+        handle.write(b"PK\x03\x04 partial bytes")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dist_utils.torch, "save", write_half_then_fail)
+    with pytest.raises(OSError):
+        dist_utils.save_checkpoint({"model": {"w": torch.zeros(2)}}, path)
+    assert torch.equal(dist_utils.load_checkpoint(path)["model"]["w"], torch.ones(2))
+    assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left behind
+
+
+def test_missing_truncated_and_foreign_checkpoints(tmp_path):
+    with pytest.raises(UserError, match="checkpoint not found"):
+        dist_utils.load_checkpoint(tmp_path / "nope.pt")
+    good = tmp_path / "good.pt"
+    dist_utils.save_checkpoint({"model": {"w": torch.ones(1000)}}, good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(UserError, match="truncated or not a PyTorch checkpoint"):
+        dist_utils.load_checkpoint(truncated)
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.ones(1)}, other)
+    with pytest.raises(UserError, match="not a checkpoint of this project"):
+        dist_utils.load_checkpoint(other)
+
+
+class RunsCode:
+    """Unpickling this calls os.system: what a malicious checkpoint would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_that_would_run_code_is_refused(tmp_path):
+    marker = tmp_path / "code-ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {}, "payload": RunsCode(marker)}, evil)
+    assert zipfile.is_zipfile(evil)
+    with pytest.raises(UserError, match="refusing to load checkpoint"):
+        dist_utils.load_checkpoint(evil)
+    assert not marker.exists()
+    # The same file does run code when loaded unsafely: the refusal above is what saved us.
+    torch.load(evil, weights_only=False)
+    assert marker.exists()
