@@ -12,7 +12,7 @@ EXPECTED_FILES = {
     "README.md", "pyproject.toml", "run.sh", ".gitignore", "config.py", "configs/default.yaml",
     "data.py", "dist_utils.py", "evaluate.py", "model.py", "train.py", "tests/conftest.py",
     "tests/test_config.py", "tests/test_data.py", "tests/test_dist_utils.py",
-    "tests/test_distributed.py", "tests/probe_sharding.py",
+    "tests/test_distributed.py", "tests/probes.py", "metrics.py", "check_equivalence.py",
 }
 
 

@@ -38,7 +38,7 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = "digits"  # digits (scikit-learn, ships offline) | synthetic
+    dataset: str = "digits"  # digits | synthetic (classification) | diabetes (regression)
     val_fraction: float = 0.15
     test_fraction: float = 0.2
     split_seed: int = 0  # fixes the train/val/test split, independent of run.seed
@@ -70,6 +70,8 @@ class OptimConfig:
 class TrainConfig:
     epochs: int = 30
     global_batch_size: int = 64  # summed over all processes; each rank takes 1/world_size of it
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (each rank: batch / this)
+    max_steps: int = 0  # stop after this many optimizer steps; 0: run all epochs
     log_every: int = 10  # steps between logged (and cross-rank reduced) training scalars
     ckpt_every: int = 200  # steps between checkpoints; 0 saves only at the end
     device: str = "auto"  # auto (cuda when available) | cuda | cpu
@@ -91,6 +93,7 @@ class EvalConfig:
     split: str = "test"  # test | val
     batch_size: int = 256  # per process; evaluation has no global-batch semantics
     output_dir: str = ""  # default: <run folder>/eval-<split>
+    save_predictions: bool = False  # also write predictions.npz (split order) for your own use
 
 
 @dataclass
@@ -105,7 +108,7 @@ class Config:
 
 
 CHOICES = {
-    "data.dataset": ("digits", "synthetic"),
+    "data.dataset": ("digits", "synthetic", "diabetes"),
     "optim.schedule": ("cosine", "constant"),
     "train.device": ("auto", "cuda", "cpu"),
     "ddp.backend": ("auto", "nccl", "gloo"),
@@ -113,12 +116,13 @@ CHOICES = {
 }
 POSITIVE = (
     "data.synthetic_samples", "data.synthetic_features", "model.hidden_dim", "optim.lr",
-    "train.epochs", "train.global_batch_size", "train.log_every", "ddp.timeout_minutes",
+    "train.epochs", "train.global_batch_size", "train.grad_accum_steps", "train.log_every",
+    "ddp.timeout_minutes",
     "eval.batch_size",
 )
 NON_NEGATIVE = (
     "data.num_workers", "model.num_layers", "optim.weight_decay", "optim.warmup_steps",
-    "train.ckpt_every",
+    "train.ckpt_every", "train.max_steps",
 )
 TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
 
@@ -223,12 +227,15 @@ def _check_values(cfg: DictConfig, world_size: int | None) -> None:
 
 
 def check_batch_divides(cfg: DictConfig, world_size: int) -> None:
-    batch = cfg.train.global_batch_size
-    if batch % world_size:
-        lower = batch - batch % world_size
+    batch, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
+    parts = world_size * accum
+    if batch % parts:
+        lower = batch - batch % parts
+        split = f"the {world_size} processes" + (f" x {accum} accumulation steps" if accum > 1
+                                                   else "")
         raise UserError(
-            f"train.global_batch_size={batch} does not divide by the {world_size} processes: "
-            f"use a multiple of {world_size}, e.g. train.global_batch_size={lower or world_size}"
+            f"train.global_batch_size={batch} does not divide by {split}: use a multiple of "
+            f"{parts}, e.g. train.global_batch_size={lower or parts}"
         )
 
 

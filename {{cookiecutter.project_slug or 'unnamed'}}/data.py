@@ -15,18 +15,26 @@ import math
 import numpy as np
 import torch
 from omegaconf import DictConfig
-from sklearn.datasets import load_digits, make_classification
+from sklearn.datasets import load_diabetes, load_digits, make_classification
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from config import UserError
 from dist_utils import DistEnv
+from metrics import Task
 
 log = logging.getLogger("ddp")
 
 
+REGRESSION_DATASETS = ("diabetes",)
+
+
 def load_arrays(cfg: DictConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Features (float32, one row per sample) and integer class labels for `data.dataset`."""
+    """Features (float32, one row per sample) and targets for `data.dataset`: integer class
+    labels, or float values for the regression datasets in REGRESSION_DATASETS."""
+    if cfg.dataset == "diabetes":  # 442 patients, 10 features, disease progression (25..346)
+        features, targets = load_diabetes(return_X_y=True)  # bundled offline, features scaled
+        return features.astype(np.float32), targets.astype(np.float32)
     if cfg.dataset == "digits":
         features, labels = load_digits(return_X_y=True)  # 1797 8x8 images, bundled offline
         features = features / 16.0  # pixel intensities 0..16 -> 0..1
@@ -44,24 +52,36 @@ def load_arrays(cfg: DictConfig) -> tuple[np.ndarray, np.ndarray]:
     return features.astype(np.float32), labels.astype(np.int64)
 
 
-def split_arrays(cfg: DictConfig, features: np.ndarray, labels: np.ndarray) -> dict:
-    """Stratified train/val/test split, fixed by data.split_seed."""
+def split_arrays(cfg: DictConfig, features: np.ndarray, targets: np.ndarray) -> dict:
+    """Train/val/test split fixed by data.split_seed (stratified by class for classification).
+
+    Regression targets are standardised with the train split's mean and std (the model learns
+    faster on unit scale); the returned Task turns predictions back into the original units.
+    """
+    regression = cfg.dataset in REGRESSION_DATASETS
     try:
         rest_x, test_x, rest_y, test_y = train_test_split(
-            features, labels, test_size=cfg.test_fraction, random_state=cfg.split_seed,
-            stratify=labels,
+            features, targets, test_size=cfg.test_fraction, random_state=cfg.split_seed,
+            stratify=None if regression else targets,
         )
         train_x, val_x, train_y, val_y = train_test_split(
             rest_x, rest_y, test_size=cfg.val_fraction / (1 - cfg.test_fraction),
-            random_state=cfg.split_seed, stratify=rest_y,
+            random_state=cfg.split_seed, stratify=None if regression else rest_y,
         )
     except ValueError as error:  # e.g. a split too small to hold every class
         raise UserError(f"cannot split data.dataset={cfg.dataset}: {error}") from None
-    return {
+    if regression:
+        mean, std = float(train_y.mean()), float(train_y.std())
+        task = Task("regression", 1, target_mean=mean, target_std=std)
+        train_y, val_y, test_y = ((y - mean) / std for y in (train_y, val_y, test_y))
+    else:
+        task = Task("classification", int(targets.max()) + 1)
+    datasets = {
         name: TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
         for name, x, y in (("train", train_x, train_y), ("val", val_x, val_y),
                            ("test", test_x, test_y))
     }
+    return datasets, task
 
 
 class EvalShardSampler(Sampler[int]):
@@ -87,20 +107,20 @@ class DataModule:
 
     def __init__(self, cfg: DictConfig, env: DistEnv, device: torch.device):
         self.cfg, self.env, self.device = cfg, env, device
-        self.datasets: dict[str, Dataset] = split_arrays(cfg.data, *load_arrays(cfg.data))
-        features, labels = self.datasets["train"].tensors
-        self.num_features = features.shape[1]
-        self.num_classes = int(torch.cat([d.tensors[1] for d in self.datasets.values()]).max()) + 1
+        self.datasets, self.task = split_arrays(cfg.data, *load_arrays(cfg.data))
+        self.num_features = self.datasets["train"].tensors[0].shape[1]
 
         # The config's batch size is the global one; config.check_batch_divides has made sure
         # it splits evenly, so every rank runs the same number of steps per epoch.
         self.batch_size_per_rank = cfg.train.global_batch_size // env.world_size
+        # With gradient accumulation each optimizer step takes grad_accum_steps loader batches.
+        self.micro_batch_size = self.batch_size_per_rank // cfg.train.grad_accum_steps
         self.train_sampler = DistributedSampler(
             self.datasets["train"], num_replicas=env.world_size, rank=env.rank,
             shuffle=True, seed=cfg.run.seed,
         )
         # No shuffle=True here: the sampler shuffles; a DataLoader refuses both.
-        self.train_loader = self._loader(self.datasets["train"], self.batch_size_per_rank,
+        self.train_loader = self._loader(self.datasets["train"], self.micro_batch_size,
                                          self.train_sampler)
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Sampler) -> DataLoader:
@@ -112,12 +132,25 @@ class DataModule:
 
     @property
     def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch (a last, smaller step takes what is left)."""
         return math.ceil(len(self.train_sampler) / self.batch_size_per_rank)
 
     def train_batches(self, epoch: int):
         """This rank's batches for `epoch`, in an order that differs from epoch to epoch."""
         self.train_sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
         yield from self.train_loader
+
+    def train_steps(self, epoch: int):
+        """The micro-batches of each optimizer step of `epoch`: lists of grad_accum_steps
+        (inputs, targets) pairs, fewer for a last, partial step."""
+        step: list = []
+        for batch in self.train_batches(epoch):
+            step.append(batch)
+            if len(step) == self.cfg.train.grad_accum_steps:
+                yield step
+                step = []
+        if step:
+            yield step
 
     def eval_loader(self, split: str) -> DataLoader:
         """This rank's shard of `split` ("val" or "test"), each sample on exactly one rank."""

@@ -113,6 +113,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def broadcast_object(obj):
     """Rank 0's value of a picklable object, on every rank."""
     if not dist.is_initialized():

@@ -3,9 +3,11 @@
     python evaluate.py eval.checkpoint=runs/<run>             # one process
     ./run.sh evaluate.py eval.checkpoint=runs/<run>           # torchrun, as many as run.sh says
 
-Each rank evaluates its own block of the split (no sample twice, none padded in) and the ranks
-add up sums and counts, so the numbers are those of a single-process evaluation whatever the
-process count. Writes metrics.json next to the run and prints a summary on rank 0.
+Each rank evaluates its own block of the split (no sample twice, none padded in) and metrics.py
+combines the ranks' metric states, so every number (PR curves included) is the one a
+single-process evaluation gives, whatever the process count. Rank 0 writes, into
+<run>/eval-<split>/: metrics.json, pr_curves.json and pr_curves.png (classification),
+TensorBoard scalars and PR curves in tb/, and predictions.npz with eval.save_predictions=true.
 """
 
 import json
@@ -13,41 +15,46 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 
 import dist_utils
 from config import UserError, config_from_dict, load_config
 from data import DataModule
+from metrics import Task, build_metrics, finish_metrics, scalars, update_metrics
 from model import build_model
 
 log = logging.getLogger("ddp")
 
 
 @torch.no_grad()
-def evaluate_split(model: torch.nn.Module, loader, device: torch.device) -> dict:
-    """Loss and accuracy over the whole split: per-rank sums, then one all-reduce.
+def evaluate_split(model: torch.nn.Module, loader, device: torch.device, task: Task,
+                   keep_outputs: bool = False) -> dict:
+    """Exact metrics over the whole split (see metrics.py); call it on every rank.
 
-    Every rank makes exactly one collective call here, however many batches its shard has, so
-    uneven shards cannot hang. Pass the unwrapped model: DDP's forward may sync buffers, which
-    would need every rank to run the same number of batches.
+    Pass the unwrapped model: DDP's forward may sync buffers, which would need every rank to run
+    the same number of batches, and shards may differ by one sample. With keep_outputs, the
+    result also holds this rank's "predictions" and "targets" (in the data's own units).
     """
     was_training = model.training
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    metrics = build_metrics(task).to(device)
+    kept = []
     for inputs, targets in loader:
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
-        logits = model(inputs)
-        # Summed in float64: the total then barely depends on how the split was sharded.
-        totals[0] += F.cross_entropy(logits.double(), targets, reduction="sum")
-        totals[1] += (logits.argmax(dim=1) == targets).sum()
-        totals[2] += targets.numel()
-    loss_sum, correct, count = dist_utils.all_reduce_sum(totals).tolist()
+        outputs = model(inputs)
+        update_metrics(metrics, task, outputs, targets)
+        if keep_outputs:
+            kept.append((task.predictions(outputs).cpu(), task.originals(targets).cpu()))
     model.train(was_training)
-    count = max(count, 1.0)
-    return {"loss": loss_sum / count, "accuracy": correct / count, "num_samples": int(count)}
+    result = finish_metrics(metrics, task)  # collectives: the same calls on every rank
+    if keep_outputs:
+        predictions, targets = zip(*kept, strict=True) if kept else ((), ())
+        result["predictions"] = torch.cat(predictions) if kept else torch.empty(0)
+        result["targets"] = torch.cat(targets) if kept else torch.empty(0)
+    return result
 
 
 def find_checkpoint(spec: str) -> Path:
@@ -70,13 +77,61 @@ def default_output_dir(checkpoint: Path, split: str) -> Path:
 
 
 def restore_model(state: dict, train_cfg: DictConfig, data: DataModule, source: Path):
-    model = build_model(train_cfg.model, data.num_features, data.num_classes)
+    model = build_model(train_cfg.model, data.num_features, data.task.num_outputs)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as error:  # missing / unexpected keys, shape mismatch
         detail = " ".join(str(error).split())[:300]
         raise UserError(f"checkpoint {source} does not fit the model it names: {detail}") from None
     return model
+
+
+def write_json(path: Path, value) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def plot_pr_curves(curves: list, average_precision: list, path: Path, title: str) -> None:
+    """One precision-recall curve per class, in one PNG (headless: the Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 6), dpi=120)
+    for cls, (curve, ap) in enumerate(zip(curves, average_precision, strict=True)):
+        ax.step(curve["recall"], curve["precision"], where="post", label=f"{cls}: AP {ap:.3f}")
+    ax.set(xlabel="recall", ylabel="precision", xlim=(0, 1.01), ylim=(0, 1.02), title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(title="class", fontsize="small", loc="lower left", ncols=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_tensorboard(out_dir: Path, result: dict, task: Task, step: int, split: str) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(log_dir=str(out_dir / "tb")) as writer:
+        for name, value in scalars(result).items():
+            writer.add_scalar(f"{split}/{name}", value, step)
+        if task.is_classification:
+            for cls in range(task.num_outputs):
+                writer.add_pr_curve(f"{split}/pr_curve/class_{cls}",
+                                    result["targets"] == cls, result["predictions"][:, cls],
+                                    global_step=step, num_thresholds=201)
+
+
+def summary_lines(result: dict, task: Task) -> list[str]:
+    lines = [f"  {name:<24} {value:.6f}" for name, value in scalars(result).items()]
+    if task.is_classification:
+        lines.append("  per class:  class  AP        recall")
+        matrix = np.array(result["confusion_matrix"])
+        recall = matrix.diagonal() / np.maximum(matrix.sum(axis=1), 1)
+        for cls, ap in enumerate(result["average_precision_per_class"]):
+            lines.append(f"              {cls:>5}  {ap:.6f}  {recall[cls]:.6f}")
+    return lines
 
 
 def main(argv: list[str]) -> None:
@@ -96,25 +151,41 @@ def main(argv: list[str]) -> None:
     # No DDP wrapper: evaluation computes no gradients, and the weights are the same everywhere.
     model = model.to(device)
     start = time.perf_counter()
-    metrics = evaluate_split(model, data.eval_loader(cfg.eval.split), device)
+    split, task = cfg.eval.split, data.task
+    result = evaluate_split(model, data.eval_loader(split), device, task, keep_outputs=True)
+    # Whole-split predictions, in split order (rank blocks are contiguous), for TensorBoard's
+    # PR curves and predictions.npz; the metrics above do not need them.
+    result["predictions"] = torch.cat(dist_utils.gather_objects(result["predictions"]))
+    result["targets"] = torch.cat(dist_utils.gather_objects(result["targets"]))
     seconds = time.perf_counter() - start
+    if not env.is_main:
+        return
 
-    if env.is_main:
-        out_dir = Path(cfg.eval.output_dir) if cfg.eval.output_dir else default_output_dir(
-            checkpoint, cfg.eval.split)
-        report = {
-            "checkpoint": str(checkpoint), "step": state.get("step"), "split": cfg.eval.split,
-            "world_size": env.world_size, **metrics,
-        }
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tmp = out_dir / ".metrics.json.tmp"
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        tmp.replace(out_dir / "metrics.json")
-        log.info("evaluated %s on the %s split: %d samples, %d process(es), %.2fs",
-                 checkpoint, cfg.eval.split, metrics["num_samples"], env.world_size, seconds)
-        log.info("  %-10s %.4f", "loss", metrics["loss"])
-        log.info("  %-10s %.4f", "accuracy", metrics["accuracy"])
-        log.info("metrics: %s", out_dir / "metrics.json")
+    out_dir = Path(cfg.eval.output_dir or default_output_dir(checkpoint, split))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"checkpoint": str(checkpoint), "step": state.get("step"), "split": split,
+              "task": task.kind, "world_size": env.world_size,
+              **{k: v for k, v in result.items()
+                 if k not in ("pr_curves", "predictions", "targets")}}
+    write_json(out_dir / "metrics.json", report)
+    written = ["metrics.json"]
+    if task.is_classification:
+        write_json(out_dir / "pr_curves.json", result["pr_curves"])
+        plot_pr_curves(result["pr_curves"], result["average_precision_per_class"],
+                       out_dir / "pr_curves.png", f"{split} split, step {state.get('step')}")
+        written += ["pr_curves.json", "pr_curves.png"]
+    write_tensorboard(out_dir, result, task, state.get("step") or 0, split)
+    written.append("tb/")
+    if cfg.eval.save_predictions:
+        np.savez(out_dir / "predictions.npz", predictions=result["predictions"].numpy(),
+                 targets=result["targets"].numpy())
+        written.append("predictions.npz")
+
+    log.info("evaluated %s on the %s split: %d samples, %d process(es), %.2fs",
+             checkpoint, split, result["num_samples"], env.world_size, seconds)
+    for line in summary_lines(result, task):
+        log.info(line)
+    log.info("wrote %s in %s", ", ".join(written), out_dir)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@ with `model.name=<key>`. The factory does the distributed part (device, SyncBatc
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_autograd
 from omegaconf import DictConfig
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from config import UserError
@@ -24,7 +27,8 @@ class MLP(nn.Module):
         layers: list[nn.Module] = []
         width = in_features
         for _ in range(num_layers):
-            layers.append(nn.Linear(width, hidden_dim))
+            # No bias before BatchNorm: BN subtracts the mean, so its gradient is rounding noise.
+            layers.append(nn.Linear(width, hidden_dim, bias=not batchnorm))
             if batchnorm:
                 layers.append(nn.BatchNorm1d(hidden_dim))
             layers += [nn.ReLU(), nn.Dropout(dropout)]
@@ -44,6 +48,61 @@ def build_mlp(cfg: DictConfig, in_features: int, num_classes: int) -> nn.Module:
 MODELS: dict[str, Callable[[DictConfig, int, int], nn.Module]] = {"mlp": build_mlp}
 
 
+class GlobalBatchNorm(_BatchNorm):
+    """BatchNorm whose training statistics cover the global batch, on any backend.
+
+    Each rank's per-channel sums are all-reduced with autograd, so forward and backward equal
+    one process normalising the whole batch. PyTorch's nn.SyncBatchNorm does the same with fused
+    GPU kernels but refuses CPU tensors; this one is what `sync_batchnorm` uses on gloo / CPU.
+    Parameter and buffer names match nn.BatchNorm*d, so checkpoints load either way.
+    """
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)
+        channels, dims = x.shape[1], [0, *range(2, x.dim())]
+        wide = x.double()  # sums of squares in float64: no cancellation in E[x^2] - E[x]^2
+        count = torch.full((1,), x.numel() // channels, dtype=torch.float64, device=x.device)
+        totals = dist_autograd.all_reduce(torch.cat([wide.sum(dims), (wide * wide).sum(dims),
+                                                     count]))
+        n = totals[-1]
+        mean = totals[:channels] / n
+        var = totals[channels: 2 * channels] / n - mean * mean
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                momentum = (1.0 / self.num_batches_tracked.item() if self.momentum is None
+                            else self.momentum)
+                unbiased = var * n / (n - 1).clamp(min=1)
+                self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        out = (wide - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        out = out.to(x.dtype)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out
+
+
+def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
+    """Every BatchNorm layer with statistics over all ranks: nn.SyncBatchNorm on CUDA,
+    GlobalBatchNorm elsewhere; weights and running statistics carried over."""
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    if isinstance(module, _BatchNorm) and not isinstance(module, GlobalBatchNorm):
+        synced = GlobalBatchNorm(module.num_features, module.eps, module.momentum,
+                                 module.affine, module.track_running_stats)
+        synced.load_state_dict(module.state_dict())
+        return synced
+    for name, child in module.named_children():
+        module.add_module(name, convert_sync_batchnorm(child, device))
+    return module
+
+
 def build_model(cfg: DictConfig, in_features: int, num_classes: int) -> nn.Module:
     """The bare model named by `model.name`, on the CPU: no device, no wrapping."""
     if cfg.name not in MODELS:
@@ -55,10 +114,7 @@ def wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv,
                device: torch.device) -> nn.Module:
     """Move the model to this rank's device and wrap it in DDP when there is a process group."""
     if cfg.model.sync_batchnorm and env.world_size > 1:
-        if device.type != "cuda":
-            raise UserError("model.sync_batchnorm=true needs CUDA GPUs (PyTorch's SyncBatchNorm "
-                            "has no CPU kernel): set it to false for CPU runs")
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = convert_sync_batchnorm(model, device)
     model = model.to(device)
     if not env.launched:
         return model

@@ -9,6 +9,7 @@ holding config.yaml, checkpoints/, tb/ (TensorBoard) and metrics.jsonl. Only ran
 The distributed parts are the few lines that mention dist_utils, the sampler's epoch and DDP.
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -17,7 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -25,6 +25,7 @@ import dist_utils
 from config import UserError, load_config
 from data import DataModule
 from evaluate import evaluate_split
+from metrics import Task, scalars
 from model import build_model, unwrap, wrap_model
 
 log = logging.getLogger("ddp")
@@ -67,6 +68,37 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
+               task: Task, device: torch.device) -> torch.Tensor:
+    """One optimizer step over this rank's micro-batches; returns [loss sum, correct, samples].
+
+    With several micro-batches (gradient accumulation) the gradients are all-reduced once, on
+    the last one: the others run forward *and* backward inside no_sync(), since DDP decides in
+    forward whether the coming backward will communicate.
+    """
+    samples = sum(targets.shape[0] for _, targets in micro_batches)
+    stats = torch.zeros(3, dtype=torch.float64, device=device)
+    optimizer.zero_grad(set_to_none=True)
+    for index, (inputs, targets) in enumerate(micro_batches):
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        last = index == len(micro_batches) - 1
+        skip_sync = not last and hasattr(model, "no_sync")
+        with model.no_sync() if skip_sync else contextlib.nullcontext():
+            outputs = model(inputs)
+            # Sum over the micro-batch / samples of the whole step: the accumulated gradient is
+            # that of the mean over the step's batch, as without accumulation.
+            loss = task.loss(outputs, targets, reduction="sum") / samples
+            loss.backward()  # on the last micro-batch DDP averages the gradients over ranks
+        with torch.no_grad():
+            stats[0] += loss.detach().double() * samples
+            if task.is_classification:
+                stats[1] += task.correct(outputs, targets)
+    optimizer.step()
+    stats[2] += samples
+    return stats
+
+
 def main(argv: list[str]) -> None:
     env = dist_utils.get_dist_env()
     cfg = load_config(argv, world_size=env.world_size)
@@ -77,7 +109,7 @@ def main(argv: list[str]) -> None:
     with dist_utils.agree_on_errors():  # bad input stops every rank together, reported once
         torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP syncs them too)
         data = DataModule(cfg, env, device)
-        model = build_model(cfg.model, data.num_features, data.num_classes)
+        model = build_model(cfg.model, data.num_features, data.task.num_outputs)
         run_dir = create_run_dir(cfg, env)
     run_dir = Path(dist_utils.broadcast_object(str(run_dir) if env.is_main else None))
     # Per-rank seed from here on: dropout masks differ between ranks, as they would between
@@ -88,8 +120,11 @@ def main(argv: list[str]) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
                                   weight_decay=cfg.optim.weight_decay)
     total_steps = cfg.train.epochs * data.steps_per_epoch
+    if cfg.train.max_steps:
+        total_steps = min(total_steps, cfg.train.max_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, cfg.optim.warmup_steps, total_steps, cfg.optim.schedule))
+    task = data.task
 
     writer = None
     if env.is_main:
@@ -98,10 +133,13 @@ def main(argv: list[str]) -> None:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         writer = SummaryWriter(log_dir=str(run_dir / "tb"))
     log.info("run folder: %s", run_dir)
-    log.info("%d process(es) on %s, backend %s | global batch %d = %d per rank x %d | "
-             "%d steps per epoch, %d epochs", env.world_size, device,
-             dist_utils.backend_name(), cfg.train.global_batch_size, data.batch_size_per_rank,
-             env.world_size, data.steps_per_epoch, cfg.train.epochs)
+    log.info("%d process(es) on %s, backend %s | %s, %d outputs | %d steps per epoch, %d steps",
+             env.world_size, device, dist_utils.backend_name(), task.kind, task.num_outputs,
+             data.steps_per_epoch, total_steps)
+    log.info("effective global batch %d = %d per micro-batch x %d process(es) x %d "
+             "accumulation step(s)", data.micro_batch_size * env.world_size
+             * cfg.train.grad_accum_steps, data.micro_batch_size, env.world_size,
+             cfg.train.grad_accum_steps)
 
     def save(step: int, epoch: int) -> None:
         dist_utils.save_checkpoint({
@@ -131,12 +169,17 @@ def main(argv: list[str]) -> None:
         window_start = time.perf_counter()
         for i, value in enumerate((loss_sum, correct, count)):
             epoch_totals[i] += value
+        record = {"step": step, "loss": loss_sum / count, "lr": scheduler.get_last_lr()[0],
+                  "samples_per_s": count / elapsed}
+        if task.is_classification:
+            record["accuracy"] = correct / count
         if writer:
-            writer.add_scalar("train/loss", loss_sum / count, step)
-            writer.add_scalar("train/accuracy", correct / count, step)
-            writer.add_scalar("train/lr", scheduler.get_last_lr()[0], step)
-            writer.add_scalar("train/samples_per_s", count / elapsed, step)
-        bar.set_postfix(loss=f"{loss_sum / count:.4f}")
+            for name, value in record.items():
+                if name != "step":
+                    writer.add_scalar(f"train/{name}", value, step)
+            with open(run_dir / "train_log.jsonl", "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+        bar.set_postfix(loss=f"{record['loss']:.4f}")
 
     for epoch in range(cfg.train.epochs):
         model.train()
@@ -144,46 +187,40 @@ def main(argv: list[str]) -> None:
         show_bar = env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
         bar = tqdm(total=data.steps_per_epoch, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
                    leave=False, disable=not show_bar)
-        for inputs, targets in data.train_batches(epoch):
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            logits = model(inputs)
-            loss = F.cross_entropy(logits, targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP averages the gradients over all ranks during backward
-            optimizer.step()
+        for micro_batches in data.train_steps(epoch):
+            window += train_step(model, optimizer, micro_batches, task, device)
             scheduler.step()
             step += 1
             bar.update()
-
-            with torch.no_grad():
-                window[:2] += torch.stack([loss.detach().double() * targets.numel(),
-                                           (logits.argmax(dim=1) == targets).sum().double()])
-                window[2] += targets.numel()
             if step % cfg.train.log_every == 0:
                 flush_window()
             if cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0:
                 save(step, epoch)
                 last_saved = step
+            if step == total_steps:
+                break
         flush_window()
         bar.close()
 
         loss_sum, correct, count = epoch_totals
-        val = evaluate_split(unwrap(model), data.eval_loader("val"), device)
-        record = {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / count,
-                  "train_accuracy": correct / count, "val_loss": val["loss"],
-                  "val_accuracy": val["accuracy"], "lr": scheduler.get_last_lr()[0]}
+        # Validation: the exact path of evaluate.py, on the unwrapped model.
+        val = scalars(evaluate_split(unwrap(model), data.eval_loader("val"), device, task))
+        record = {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / count}
+        if task.is_classification:
+            record["train_accuracy"] = correct / count
+        record.update({f"val_{name}": value for name, value in val.items()})
         if writer:
-            writer.add_scalar("val/loss", val["loss"], step)
-            writer.add_scalar("val/accuracy", val["accuracy"], step)
+            for name, value in val.items():
+                writer.add_scalar(f"val/{name}", value, step)
             with open(run_dir / "metrics.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
-        log.info("epoch %3d/%d  step %5d  train loss %.4f acc %.4f  val loss %.4f acc %.4f",
-                 epoch + 1, cfg.train.epochs, step, record["train_loss"],
-                 record["train_accuracy"], val["loss"], val["accuracy"])
+        log.info("epoch %3d/%d  step %5d  %s", epoch + 1, cfg.train.epochs, step, "  ".join(
+            f"{name} {value:.4f}" for name, value in record.items() if isinstance(value, float)))
+        if step == total_steps:
+            break
 
     if last_saved != step:
-        save(step, cfg.train.epochs)
+        save(step, epoch + 1)
     if writer:
         writer.close()
     log.info("done: checkpoints in %s, TensorBoard logs in %s", run_dir / "checkpoints",

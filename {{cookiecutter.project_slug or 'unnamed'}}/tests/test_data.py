@@ -31,4 +31,16 @@ def test_splits_are_fixed_and_batch_is_divided():
 def test_digits_is_the_default_dataset():
     data = DataModule(load_config([]), DistEnv(0, 0, 1, False), torch.device("cpu"))
     assert sum(len(d) for d in data.datasets.values()) == 1797  # scikit-learn's digits
-    assert (data.num_features, data.num_classes) == (64, 10)
+    assert (data.num_features, data.task.kind, data.task.num_outputs) == (64, "classification", 10)
+
+
+def test_diabetes_is_regression_in_the_original_units():
+    data = DataModule(load_config(["data.dataset=diabetes"]), DistEnv(0, 0, 1, False),
+                      torch.device("cpu"))
+    assert sum(len(d) for d in data.datasets.values()) == 442
+    assert (data.task.kind, data.task.num_outputs) == ("regression", 1)
+    train_targets = data.datasets["train"].tensors[1]
+    assert abs(train_targets.mean().item()) < 1e-5  # standardised for training ...
+    restored = data.task.originals(train_targets)
+    assert restored.min().item() == pytest.approx(25, abs=1e-4)  # ... reported in the data's
+    assert restored.max().item() <= 346 + 1e-4  # own units (disease progression, 25..346)

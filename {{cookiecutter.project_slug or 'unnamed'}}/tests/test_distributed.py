@@ -3,15 +3,29 @@
 import json
 import sys
 
+import numpy as np
 import pytest
 import torch
+from sklearn.metrics import (
+    accuracy_score,
+    average_precision_score,
+    mean_absolute_error,
+    precision_recall_curve,
+    root_mean_squared_error,
+)
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import TINY, TINY_SPLIT, only_run_dir, run, torchrun
+
+# Diabetes (442 samples) with the default fractions: 89 test samples, divisible by neither 2 nor 3.
+DIABETES = ["data.dataset=diabetes", "train.epochs=8", "train.global_batch_size=32",
+            "train.progress_bar=false", "optim.lr=0.01"]
+DIABETES_TEST = 89
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_each_rank_sees_its_own_shard(tmp_path, world_size):
-    result = torchrun(world_size, "tests/probe_sharding.py", str(tmp_path), *TINY)
+    result = torchrun(world_size, "tests/probes.py", "shards", str(tmp_path), *TINY)
     assert result.returncode == 0, result.stdout
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
 
@@ -28,11 +42,44 @@ def test_each_rank_sees_its_own_shard(tmp_path, world_size):
     assert sorted(test_seen) == list(range(TINY_SPLIT["test"]))  # each test sample once
 
 
-def test_run_sh_trains_and_evaluates_with_two_processes(tmp_path, tiny_args):
+def evaluate_with(run_dir, out, nproc: int, *extra: str) -> dict:
+    """evaluate.py on the run's last checkpoint with nproc processes; returns its outputs."""
+    command = ["./run.sh", "evaluate.py", f"eval.checkpoint={run_dir}", f"eval.output_dir={out}",
+               *extra]
+    if nproc == 1:
+        command = [sys.executable, *command[1:]]
+    result = run(command, NPROC_PER_NODE=str(nproc))
+    assert result.returncode == 0, result.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == nproc
+    curves = out / "pr_curves.json"
+    return {"metrics": metrics,
+            "curves": json.loads(curves.read_text()) if curves.exists() else None}
+
+
+def assert_same_numbers(a, b, tol=1e-6):
+    """Equal structure, equal ints and strings, floats within tol (relative and absolute)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            if key not in ("world_size", "checkpoint"):
+                assert_same_numbers(a[key], b[key], tol)
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_numbers(x, y, tol)
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, rel=tol, abs=tol)
+    else:
+        assert a == b
+
+
+def test_classification_trains_with_run_sh_and_evaluates_exactly(tmp_path, tiny_args):
     result = run(["./run.sh", *tiny_args], NPROC_PER_NODE="2")
     assert result.returncode == 0, result.stdout
     run_dir = only_run_dir(tmp_path / "runs")  # one folder for the job, not one per process
     assert "2 process(es) on cpu, backend gloo" in result.stdout
+    assert "effective global batch 12 = 6 per micro-batch x 2 process(es)" in result.stdout
 
     steps = 3 * TINY_SPLIT["train"] // 12
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
@@ -40,29 +87,104 @@ def test_run_sh_trains_and_evaluates_with_two_processes(tmp_path, tiny_args):
     assert saved == expected + ([f"step-{steps:08d}.pt"] if steps % 20 else [])
     assert len(list((run_dir / "tb").iterdir())) == 1  # one event file: rank 0's
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
-    assert (run_dir / "config.yaml").is_file()
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        "checkpoints", "config.yaml", "metrics.jsonl", "tb"]
+        "checkpoints", "config.yaml", "metrics.jsonl", "tb", "train_log.jsonl"]
     ckpt = torch.load(run_dir / "checkpoints" / saved[-1], weights_only=True)
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
 
-    # The same checkpoint evaluated by 1, 2 and 3 processes: same numbers, every sample once.
-    reports = {}
-    for nproc in (1, 2, 3):
-        out = tmp_path / f"eval{nproc}"
-        command = ["./run.sh", "evaluate.py", f"eval.checkpoint={run_dir}",
-                   f"eval.output_dir={out}"]
-        if nproc == 1:
-            command = [sys.executable, "evaluate.py", *command[2:]]
-        result = run(command, NPROC_PER_NODE=str(nproc))
-        assert result.returncode == 0, result.stdout
-        reports[nproc] = json.loads((out / "metrics.json").read_text())
-        assert reports[nproc]["world_size"] == nproc
-        assert reports[nproc]["num_samples"] == TINY_SPLIT["test"]
-    for nproc in (2, 3):
-        assert reports[nproc]["accuracy"] == reports[1]["accuracy"]
-        assert reports[nproc]["loss"] == pytest.approx(reports[1]["loss"], rel=1e-6)
-    assert reports[1]["accuracy"] > 0.8  # it learned: the synthetic classes are separable
+    # The same checkpoint evaluated by 1, 2 and 3 processes: the same numbers, curves included.
+    runs = {n: evaluate_with(run_dir, tmp_path / f"eval{n}", n, "eval.save_predictions=true")
+            for n in (1, 2, 3)}
+    for n in (2, 3):
+        assert_same_numbers(runs[n]["metrics"], runs[1]["metrics"])
+        assert_same_numbers(runs[n]["curves"], runs[1]["curves"])
+    metrics = runs[1]["metrics"]
+    assert metrics["num_samples"] == TINY_SPLIT["test"] and metrics["accuracy"] > 0.8
+
+    # scikit-learn as the oracle, on the one-process predictions.
+    saved_predictions = np.load(tmp_path / "eval1" / "predictions.npz")
+    probs, labels = saved_predictions["predictions"], saved_predictions["targets"]
+    assert probs.shape == (TINY_SPLIT["test"], 4)
+    assert metrics["accuracy"] == pytest.approx(accuracy_score(labels, probs.argmax(1)), abs=1e-9)
+    for cls in range(4):
+        ap = average_precision_score(labels == cls, probs[:, cls])
+        assert metrics["average_precision_per_class"][cls] == pytest.approx(ap, abs=1e-6)
+        precision, recall, thresholds = precision_recall_curve(labels == cls, probs[:, cls])
+        curve = runs[3]["curves"][cls]  # the three-process curve, against sklearn's
+        np.testing.assert_allclose(curve["precision"], precision, atol=1e-6)
+        np.testing.assert_allclose(curve["recall"], recall, atol=1e-6)
+        np.testing.assert_allclose(curve["thresholds"], thresholds, atol=1e-6)
+    macro = np.mean([average_precision_score(labels == c, probs[:, c]) for c in range(4)])
+    assert metrics["average_precision_macro"] == pytest.approx(macro, abs=1e-6)
+
+    # Outputs a person and TensorBoard can open.
+    png = tmp_path / "eval3" / "pr_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    events = EventAccumulator(str(tmp_path / "eval3" / "tb"), size_guidance={"tensors": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert {f"test/pr_curve/class_{c}" for c in range(4)} <= set(tags["tensors"])
+    assert "test/accuracy" in tags["scalars"] or "test/accuracy" in tags["tensors"]
+
+
+def test_regression_evaluates_exactly(tmp_path):
+    result = run([sys.executable, "train.py", *DIABETES, f"run.output_dir={tmp_path / 'runs'}"])
+    assert result.returncode == 0, result.stdout
+    assert "regression, 1 outputs" in result.stdout
+    run_dir = only_run_dir(tmp_path / "runs")
+    runs = {n: evaluate_with(run_dir, tmp_path / f"eval{n}", n, "eval.save_predictions=true")
+            for n in (1, 2, 3)}
+    for n in (2, 3):
+        assert_same_numbers(runs[n]["metrics"], runs[1]["metrics"])
+    metrics = runs[1]["metrics"]
+    assert metrics["num_samples"] == DIABETES_TEST
+    saved = np.load(tmp_path / "eval1" / "predictions.npz")
+    predictions, targets = saved["predictions"], saved["targets"]
+    assert metrics["mae"] == pytest.approx(mean_absolute_error(targets, predictions), rel=1e-6)
+    assert metrics["rmse"] == pytest.approx(root_mean_squared_error(targets, predictions), rel=1e-6)
+    assert metrics["mae"] < 60  # in the data's own units (targets 25..346): it learned
+
+
+def test_padding_sampler_would_bias_the_metrics(tmp_path):
+    result = torchrun(2, "tests/probes.py", "padding-bias", str(tmp_path), *TINY)
+    assert result.returncode == 0, result.stdout
+    report = json.loads((tmp_path / "bias.json").read_text())
+    assert report["exact"]["num_samples"] == TINY_SPLIT["test"]  # 71
+    assert report["padded"]["num_samples"] == TINY_SPLIT["test"] + 1  # one sample scored twice
+    assert report["padded"]["loss"] != pytest.approx(report["exact"]["loss"], rel=1e-9)
+    assert report["padded"]["average_precision_macro"] != report["exact"]["average_precision_macro"]
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_gradient_allreduce_runs_once_per_optimizer_step(tmp_path, accum):
+    result = torchrun(2, "tests/probes.py", "allreduce", str(tmp_path), *TINY,
+                      f"train.grad_accum_steps={accum}")
+    assert result.returncode == 0, result.stdout
+    report = json.loads((tmp_path / "allreduce.json").read_text())
+    assert report["steps"] == TINY_SPLIT["train"] // 12
+    assert report["micro_batches"] == accum * report["steps"]
+    # The tiny model fits in one DDP bucket: one all-reduce per step, whatever accum is.
+    assert report["allreduce_calls"] == report["steps"]
+
+
+def check_equivalence(*args: str):
+    return run([sys.executable, "check_equivalence.py", "--steps", "8", *args, *TINY])
+
+
+@pytest.mark.parametrize(("nproc", "accum"), [(2, 1), (1, 2), (2, 2)])
+def test_equivalence_check_passes_for_the_default_model(nproc, accum):
+    result = check_equivalence("--nproc", str(nproc), "--accum", str(accum))
+    assert result.returncode == 0, result.stdout
+    assert f"PASS: {nproc} process(es) x {accum} accumulation step(s)" in result.stdout
+
+
+def test_equivalence_check_catches_plain_batchnorm():
+    plain = check_equivalence("model.batchnorm=true")
+    assert plain.returncode == 1, plain.stdout
+    assert "FAIL: the loss differs from step 1" in plain.stdout
+    assert "model.sync_batchnorm=true" in plain.stdout
+    synced = check_equivalence("model.batchnorm=true", "model.sync_batchnorm=true")
+    assert synced.returncode == 0, synced.stdout
 
 
 def test_single_process_python_train(tmp_path, tiny_args):

@@ -1,0 +1,97 @@
+"""Run under torchrun by test_distributed.py: observe what the ranks really do.
+
+Usage: torchrun --nproc_per_node=N tests/probes.py PROBE OUT_DIR key=value...
+
+  shards         OUT_DIR/rank<R>.json: the train-set indices of each epoch, in the order the
+                 training loop receives them, and the test indices of this rank's eval shard
+  padding-bias   OUT_DIR/bias.json: test metrics through the exact shards and through a
+                 padding DistributedSampler, for the same (freshly initialised) model
+  allreduce      OUT_DIR/allreduce.json: gradient all-reduces counted by a DDP communication
+                 hook over a few optimizer steps of train.train_step
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+import dist_utils  # noqa: E402
+from config import load_config  # noqa: E402
+from data import DataModule  # noqa: E402
+from evaluate import evaluate_split  # noqa: E402
+from metrics import scalars  # noqa: E402
+from model import build_model, wrap_model  # noqa: E402
+from train import train_step  # noqa: E402
+
+
+def indices_seen(batches, dataset) -> list[int]:
+    """Map each row the loader yields back to its index (the synthetic rows are all distinct)."""
+    index_of = {row.numpy().tobytes(): i for i, row in enumerate(dataset.tensors[0])}
+    return [index_of[row.numpy().tobytes()] for inputs, _ in batches for row in inputs]
+
+
+def shards(cfg, env, data, out_dir: Path) -> None:
+    record = {
+        "train": [indices_seen(data.train_batches(epoch), data.datasets["train"])
+                  for epoch in range(cfg.train.epochs)],
+        "test": indices_seen(data.eval_loader("test"), data.datasets["test"]),
+    }
+    (out_dir / f"rank{env.rank}.json").write_text(json.dumps(record))
+
+
+def padding_bias(cfg, env, data, out_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = build_model(cfg.model, data.num_features, data.task.num_outputs)
+    device = torch.device("cpu")
+    exact = evaluate_split(model, data.eval_loader("test"), device, data.task)
+    # What many templates do: DistributedSampler for evaluation. It pads the split with repeated
+    # samples so every rank gets the same count, and those repeats are scored twice.
+    padded_sampler = DistributedSampler(data.datasets["test"], shuffle=False)
+    padded_loader = DataLoader(data.datasets["test"], batch_size=16, sampler=padded_sampler)
+    padded = evaluate_split(model, padded_loader, device, data.task)
+    if env.is_main:
+        report = {name: {"num_samples": r["num_samples"], **scalars(r)}
+                  for name, r in (("exact", exact), ("padded", padded))}
+        (out_dir / "bias.json").write_text(json.dumps(report))
+
+
+def allreduce(cfg, env, data, out_dir: Path) -> None:
+    torch.manual_seed(cfg.run.seed)
+    model = wrap_model(build_model(cfg.model, data.num_features, data.task.num_outputs), cfg,
+                       env, torch.device("cpu"))
+    calls = [0]
+
+    def counting_allreduce(state, bucket):
+        calls[0] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting_allreduce)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    steps, micro_batches = 0, 0
+    for step_batches in data.train_steps(0):
+        train_step(model, optimizer, step_batches, data.task, torch.device("cpu"))
+        steps += 1
+        micro_batches += len(step_batches)
+    if env.is_main:
+        report = {"steps": steps, "micro_batches": micro_batches, "allreduce_calls": calls[0]}
+        (out_dir / "allreduce.json").write_text(json.dumps(report))
+
+
+PROBES = {"shards": shards, "padding-bias": padding_bias, "allreduce": allreduce}
+
+
+def main(argv: list[str]) -> None:
+    probe, out_dir, cfg = argv[0], Path(argv[1]), load_config(argv[2:])
+    env = dist_utils.get_dist_env()
+    device = torch.device("cpu")
+    dist_utils.init_distributed(env, device, "gloo", timeout_minutes=2)
+    PROBES[probe](cfg, env, DataModule(cfg, env, device), out_dir)
+
+
+if __name__ == "__main__":
+    dist_utils.run_main(main)
