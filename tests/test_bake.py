@@ -13,6 +13,7 @@ EXPECTED_FILES = {
     "data.py", "dist_utils.py", "evaluate.py", "model.py", "train.py", "tests/conftest.py",
     "tests/test_config.py", "tests/test_data.py", "tests/test_dist_utils.py",
     "tests/test_distributed.py", "tests/probes.py", "metrics.py", "check_equivalence.py",
+    "tests/test_faults.py", "tests/fail_at_step.py",
 }
 
 

@@ -74,6 +74,8 @@ class TrainConfig:
     max_steps: int = 0  # stop after this many optimizer steps; 0: run all epochs
     log_every: int = 10  # steps between logged (and cross-rank reduced) training scalars
     ckpt_every: int = 200  # steps between checkpoints; 0 saves only at the end
+    keep_checkpoints: int = 3  # keep the newest k checkpoints of a run; 0 keeps all
+    resume: str = "auto"  # auto (latest checkpoint of this run, if any) | never | <file or run>
     device: str = "auto"  # auto (cuda when available) | cuda | cpu
     progress_bar: bool = True  # tqdm bar on rank 0 when attached to a terminal
 
@@ -122,7 +124,7 @@ POSITIVE = (
 )
 NON_NEGATIVE = (
     "data.num_workers", "model.num_layers", "optim.weight_decay", "optim.warmup_steps",
-    "train.ckpt_every", "train.max_steps",
+    "train.ckpt_every", "train.max_steps", "train.keep_checkpoints",
 )
 TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
 

@@ -102,6 +102,22 @@ class EvalShardSampler(Sampler[int]):
         return self.end - self.start
 
 
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler that can begin an epoch part-way, for an exact mid-epoch resume.
+
+    `start` drops this rank's first indices of the epoch's order (which depends only on the seed
+    and the epoch), so a resumed run sees exactly the batches an uninterrupted one would have.
+    """
+
+    start = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
 class DataModule:
     """Datasets and loaders for one rank."""
 
@@ -115,7 +131,7 @@ class DataModule:
         self.batch_size_per_rank = cfg.train.global_batch_size // env.world_size
         # With gradient accumulation each optimizer step takes grad_accum_steps loader batches.
         self.micro_batch_size = self.batch_size_per_rank // cfg.train.grad_accum_steps
-        self.train_sampler = DistributedSampler(
+        self.train_sampler = ResumableDistributedSampler(
             self.datasets["train"], num_replicas=env.world_size, rank=env.rank,
             shuffle=True, seed=cfg.run.seed,
         )
@@ -128,23 +144,34 @@ class DataModule:
         return DataLoader(
             dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
             pin_memory=self.device.type == "cuda", persistent_workers=workers > 0,
+            # Its own generator: starting an epoch draws a seed for the worker processes, and
+            # drawing it from the global RNG would shift dropout masks after a resume.
+            generator=torch.Generator(),
         )
 
     @property
     def steps_per_epoch(self) -> int:
         """Optimizer steps per epoch (a last, smaller step takes what is left)."""
-        return math.ceil(len(self.train_sampler) / self.batch_size_per_rank)
+        return math.ceil(self.train_sampler.num_samples / self.batch_size_per_rank)
 
-    def train_batches(self, epoch: int):
-        """This rank's batches for `epoch`, in an order that differs from epoch to epoch."""
+    def train_batches(self, epoch: int, skip_steps: int = 0):
+        """This rank's batches for `epoch`, in an order that differs from epoch to epoch,
+        leaving out the first `skip_steps` optimizer steps (when resuming mid-epoch)."""
         self.train_sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
-        yield from self.train_loader
+        self.train_sampler.start = skip_steps * self.batch_size_per_rank
+        # Worker seeds depend on (seed, epoch, rank) only: the same after a resume.
+        self.train_loader.generator.manual_seed(
+            (self.cfg.run.seed * 1_000_003 + epoch) * 1_009 + self.env.rank)
+        try:
+            yield from self.train_loader
+        finally:
+            self.train_sampler.start = 0
 
-    def train_steps(self, epoch: int):
+    def train_steps(self, epoch: int, skip_steps: int = 0):
         """The micro-batches of each optimizer step of `epoch`: lists of grad_accum_steps
         (inputs, targets) pairs, fewer for a last, partial step."""
         step: list = []
-        for batch in self.train_batches(epoch):
+        for batch in self.train_batches(epoch, skip_steps):
             step.append(batch)
             if len(step) == self.cfg.train.grad_accum_steps:
                 yield step

@@ -11,11 +11,14 @@ import datetime
 import logging
 import os
 import pickle
+import random
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -186,18 +189,40 @@ def _exit_on_user_error(message: str) -> None:
             messages = [None] * dist.get_world_size()
             dist.all_gather_object(messages, message)
             if dist.get_rank() == 0:
-                print(f"error: {_describe_failures(messages)}", file=sys.stderr, flush=True)
+                message = _describe_failures(messages)
+                print(f"error: {message}", file=sys.stderr, flush=True)
+                _tell_run_sh(message)
             dist.barrier()
         elif rank == 0:
             print(f"error: {message}", file=sys.stderr, flush=True)
+            _tell_run_sh(message)
     except Exception:  # the other ranks are not coming: this rank alone hit the problem
         print(f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
+        os._exit(2)
     cleanup()
-    sys.exit(2)
+    # Under run.sh every rank has agreed and the error is on record: exit 0 so that torchrun
+    # does not restart a job whose input is wrong; run.sh exits 2. Elsewhere: exit 2.
+    sys.exit(0 if os.environ.get("RUN_SH_ERROR_FILE") else 2)
+
+
+def _tell_run_sh(message: str) -> None:
+    error_file = os.environ.get("RUN_SH_ERROR_FILE")
+    if error_file:
+        Path(error_file).write_text(message + "\n")
+
+
+def _is_peer_failure(error: BaseException) -> bool:
+    """A collective that broke because another process died: a consequence, not the cause."""
+    backend_error = getattr(dist, "DistBackendError", ())
+    text = str(error)
+    return isinstance(error, backend_error) or (isinstance(error, RuntimeError) and any(
+        sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
+                                  "Broken pipe", "NCCL communicator was aborted")))
 
 
 def run_main(main: Callable[[list[str]], None]) -> None:
-    """Run an entry point: a UserError prints once and exits 2; the group is always left."""
+    """Run an entry point: a UserError prints once and exits 2; any other error prints its
+    traceback once, from the rank it happened on, and exits 1; the group is always left."""
     try:
         main(sys.argv[1:])
     except UserError as error:
@@ -205,6 +230,17 @@ def run_main(main: Callable[[list[str]], None]) -> None:
     except KeyboardInterrupt:
         cleanup()
         sys.exit(130)
+    except Exception as error:
+        rank = os.environ.get("RANK", "0")
+        if _is_peer_failure(error):
+            # Another rank failed (its own report says why) or was killed: leave quietly;
+            # torchrun stops the job, or restarts it from the last checkpoint.
+            print(f"rank {rank}: stopping, another process of the job is gone", file=sys.stderr)
+        else:
+            print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="")
+        sys.stderr.flush()
+        # No destroy_process_group: with a peer gone it could wait for that peer forever.
+        os._exit(1)
     cleanup()
 
 
@@ -252,6 +288,53 @@ def save_checkpoint(state: dict, path: Path) -> None:
         finally:
             tmp.unlink(missing_ok=True)
     barrier()
+
+
+def list_checkpoints(folder: Path) -> list[Path]:
+    """The complete checkpoints of a run's checkpoints/ folder, oldest first.
+
+    Only finished files are named step-*.pt (save_checkpoint renames them into place), so a
+    write cut short by a crash is never among them.
+    """
+    return sorted(Path(folder).glob("step-*.pt"))  # zero-padded step numbers sort in order
+
+
+def prune_checkpoints(folder: Path, keep: int) -> None:
+    """Rank 0 deletes all but the newest `keep` checkpoints (keep=0: delete none), and any
+    temporary file a killed writer left behind."""
+    if not is_main_process():
+        return
+    for leftover in Path(folder).glob(".step-*.tmp-*"):
+        leftover.unlink(missing_ok=True)
+    if keep:
+        for old in list_checkpoints(folder)[:-keep]:
+            old.unlink(missing_ok=True)
+
+
+def rng_state() -> dict:
+    """This process's random number generators, as tensors and plain data (weights_only-safe)."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, python_gauss = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": {"version": version, "internal": list(internal), "gauss": python_gauss},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    numpy = state["numpy"]
+    np.random.set_state(("MT19937", numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
+                         numpy["has_gauss"], numpy["gauss"]))
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["internal"]), python["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def load_checkpoint(path: Path, map_location="cpu") -> dict:

@@ -64,7 +64,7 @@ def find_checkpoint(spec: str) -> Path:
     path = Path(spec)
     if path.is_dir():
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        found = sorted(folder.glob("step-*.pt"))  # zero-padded step numbers sort in order
+        found = dist_utils.list_checkpoints(folder)
         if not found:
             raise UserError(f"no checkpoint in {path}: expected {folder}/step-*.pt")
         return found[-1]
@@ -76,13 +76,17 @@ def default_output_dir(checkpoint: Path, split: str) -> Path:
     return (checkpoint.parent.parent if in_run else checkpoint.parent) / f"eval-{split}"
 
 
-def restore_model(state: dict, train_cfg: DictConfig, data: DataModule, source: Path):
-    model = build_model(train_cfg.model, data.num_features, data.task.num_outputs)
+def restore_model_weights(model: torch.nn.Module, state: dict, source: Path) -> None:
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as error:  # missing / unexpected keys, shape mismatch
         detail = " ".join(str(error).split())[:300]
-        raise UserError(f"checkpoint {source} does not fit the model it names: {detail}") from None
+        raise UserError(f"checkpoint {source} does not fit the model: {detail}") from None
+
+
+def restore_model(state: dict, train_cfg: DictConfig, data: DataModule, source: Path):
+    model = build_model(train_cfg.model, data.num_features, data.task.num_outputs)
+    restore_model_weights(model, state, source)
     return model
 
 

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,38 +25,75 @@ from tqdm import tqdm
 import dist_utils
 from config import UserError, load_config
 from data import DataModule
-from evaluate import evaluate_split
+from evaluate import evaluate_split, find_checkpoint, restore_model_weights
 from metrics import Task, scalars
 from model import build_model, unwrap, wrap_model
 
 log = logging.getLogger("ddp")
 
 
-def create_run_dir(cfg: DictConfig, env: dist_utils.DistEnv) -> Path | None:
-    """Rank 0 creates the run folder (run.dir, or a new timestamped one) and returns it.
+RUN_ID_FILE = ".torchelastic_run_id"
 
-    Other ranks return None and learn the path from rank 0, so a job has one folder, never one
-    per process (and never two that differ by a second between ranks' clocks).
+
+def create_run_dir(cfg: DictConfig, env: dist_utils.DistEnv) -> Path | None:
+    """Rank 0 picks the run folder and returns it; other ranks return None and learn it from
+    rank 0, so a job has one folder, never one per process.
+
+    The folder is run.dir when given; else the folder of this torchrun job (found by the run id
+    torchrun gives every attempt of a job, so a restarted job finds its checkpoints); else a new
+    timestamped one.
     """
     if cfg.run.dir:
         path = Path(cfg.run.dir)
-        if (path / "config.yaml").exists():
-            raise UserError(f"run.dir={path} already holds a run: pick a new folder or delete it")
+        if cfg.train.resume == "never" and (path / "config.yaml").exists():
+            raise UserError(f"run.dir={path} already holds a run and train.resume=never: pick a "
+                            "new folder, delete it, or resume it with train.resume=auto")
         if env.is_main:
             path.mkdir(parents=True, exist_ok=True)
         return path if env.is_main else None
     if not env.is_main:
         return None
-    base = Path(cfg.run.output_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    output_dir = Path(cfg.run.output_dir)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and cfg.train.resume == "auto":
+        for marker in output_dir.glob(f"*/{RUN_ID_FILE}"):
+            if marker.read_text() == run_id:
+                return marker.parent
+    base = output_dir / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     base.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(1000):  # another run may have started in the same second
         path = base.with_name(f"{base.name}-{attempt}") if attempt else base
         try:
             path.mkdir()
-            return path
         except FileExistsError:
             continue
+        if run_id:
+            (path / RUN_ID_FILE).write_text(run_id)
+        return path
     raise UserError(f"cannot create a new run folder next to {base}: too many exist")
+
+
+def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
+    """train.resume: auto -> this run's latest checkpoint (None for a new run); never -> None;
+    anything else -> that checkpoint file, or that run folder's latest checkpoint."""
+    if cfg.train.resume == "never":
+        return None
+    if cfg.train.resume == "auto":
+        found = dist_utils.list_checkpoints(run_dir / "checkpoints")
+        return found[-1] if found else None
+    path = find_checkpoint(cfg.train.resume)
+    if not path.exists():
+        raise UserError(f"train.resume={cfg.train.resume}: no such checkpoint file or run folder")
+    return path
+
+
+def truncate_log(path: Path, keep) -> None:
+    """Drop the records a resumed run will write again (rank 0, atomically)."""
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if keep(json.loads(line))]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in lines))
+        tmp.replace(path)
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -116,22 +154,50 @@ def main(argv: list[str]) -> None:
     # the samples of one big batch on one process.
     torch.manual_seed(cfg.run.seed + env.rank)
 
-    model = wrap_model(model, cfg, env, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
-                                  weight_decay=cfg.optim.weight_decay)
+    task = data.task
     total_steps = cfg.train.epochs * data.steps_per_epoch
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
+    with dist_utils.agree_on_errors():
+        resume_from = checkpoint_to_resume(cfg, run_dir)
+        state = dist_utils.load_checkpoint(resume_from) if resume_from else None
+        if state:  # into the bare model, before DDP copies rank 0's weights to every rank
+            restore_model_weights(model, state, resume_from)
+    model = wrap_model(model, cfg, env, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
+                                  weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, cfg.optim.warmup_steps, total_steps, cfg.optim.schedule))
-    task = data.task
+    step, epoch, step_in_epoch = 0, 0, 0
+    if state:
+        with dist_utils.agree_on_errors():
+            try:
+                optimizer.load_state_dict(state["optimizer"])
+                scheduler.load_state_dict(state["scheduler"])
+                step, epoch, step_in_epoch = (int(state[k]) for k in
+                                              ("step", "epoch", "step_in_epoch"))
+            except (KeyError, ValueError, TypeError) as error:
+                raise UserError(f"cannot resume from {resume_from}: its optimizer or position "
+                                f"does not fit this run ({error})") from None
+        if state.get("world_size") == env.world_size:
+            dist_utils.set_rng_state(state["rng"][env.rank])
+        else:
+            log.warning("resuming %d process(es) from a checkpoint of %d: model, optimizer and "
+                        "data position carry over; random streams (dropout) start afresh",
+                        env.world_size, state.get("world_size"))
+        log.info("resumed from %s: step %d, epoch %d, %d step(s) into it", resume_from, step,
+                 epoch + 1, step_in_epoch)
 
     writer = None
     if env.is_main:
         from torch.utils.tensorboard import SummaryWriter  # imported by the writing rank only
 
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-        writer = SummaryWriter(log_dir=str(run_dir / "tb"))
+        if state:  # what comes after the checkpoint will be logged again
+            truncate_log(run_dir / "train_log.jsonl", lambda record: record["step"] <= step)
+            truncate_log(run_dir / "metrics.jsonl", lambda record: record["step"] < step)
+        # purge_step: TensorBoard hides events a previous attempt logged after the checkpoint.
+        writer = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=step + 1 if state else None)
     log.info("run folder: %s", run_dir)
     log.info("%d process(es) on %s, backend %s | %s, %d outputs | %d steps per epoch, %d steps",
              env.world_size, device, dist_utils.backend_name(), task.kind, task.num_outputs,
@@ -141,17 +207,25 @@ def main(argv: list[str]) -> None:
              * cfg.train.grad_accum_steps, data.micro_batch_size, env.world_size,
              cfg.train.grad_accum_steps)
 
-    def save(step: int, epoch: int) -> None:
+    def save() -> None:
+        """A checkpoint from which training continues exactly (collective: every rank)."""
+        rng = dist_utils.gather_objects(dist_utils.rng_state())  # each rank's generators
+        folder = run_dir / "checkpoints"
         dist_utils.save_checkpoint({
             "model": dist_utils.clean_state_dict(unwrap(model).state_dict()),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
+            "scaler": None,  # mixed-precision loss scaler state, when one is used
             "step": step,
             "epoch": epoch,
+            "step_in_epoch": step_in_epoch,
+            "world_size": env.world_size,
+            "rng": rng,
             "config": OmegaConf.to_container(cfg),
-        }, run_dir / "checkpoints" / f"step-{step:08d}.pt")
+        }, folder / f"step-{step:08d}.pt")
+        dist_utils.prune_checkpoints(folder, cfg.train.keep_checkpoints)
 
-    step, last_saved = 0, -1
+    last_saved = step if state else -1
     # Training sums stay on the device: reading them (.tolist()) waits for the GPU, so that is
     # done only every log_every steps and at the end of an epoch, with the all-reduce that
     # makes them global.
@@ -181,21 +255,22 @@ def main(argv: list[str]) -> None:
                 handle.write(json.dumps(record) + "\n")
         bar.set_postfix(loss=f"{record['loss']:.4f}")
 
-    for epoch in range(cfg.train.epochs):
+    while epoch < cfg.train.epochs and step < total_steps:
         model.train()
         epoch_totals[:] = [0.0, 0.0, 0.0]
         show_bar = env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
-        bar = tqdm(total=data.steps_per_epoch, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
-                   leave=False, disable=not show_bar)
-        for micro_batches in data.train_steps(epoch):
+        bar = tqdm(total=data.steps_per_epoch, initial=step_in_epoch, leave=False,
+                   desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not show_bar)
+        for micro_batches in data.train_steps(epoch, skip_steps=step_in_epoch):
             window += train_step(model, optimizer, micro_batches, task, device)
             scheduler.step()
             step += 1
+            step_in_epoch += 1
             bar.update()
             if step % cfg.train.log_every == 0:
                 flush_window()
             if cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0:
-                save(step, epoch)
+                save()
                 last_saved = step
             if step == total_steps:
                 break
@@ -205,9 +280,11 @@ def main(argv: list[str]) -> None:
         loss_sum, correct, count = epoch_totals
         # Validation: the exact path of evaluate.py, on the unwrapped model.
         val = scalars(evaluate_split(unwrap(model), data.eval_loader("val"), device, task))
-        record = {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / count}
-        if task.is_classification:
-            record["train_accuracy"] = correct / count
+        record = {"epoch": epoch + 1, "step": step}
+        if count:
+            record["train_loss"] = loss_sum / count
+            if task.is_classification:
+                record["train_accuracy"] = correct / count
         record.update({f"val_{name}": value for name, value in val.items()})
         if writer:
             for name, value in val.items():
@@ -216,11 +293,11 @@ def main(argv: list[str]) -> None:
                 handle.write(json.dumps(record) + "\n")
         log.info("epoch %3d/%d  step %5d  %s", epoch + 1, cfg.train.epochs, step, "  ".join(
             f"{name} {value:.4f}" for name, value in record.items() if isinstance(value, float)))
-        if step == total_steps:
-            break
+        if step_in_epoch >= data.steps_per_epoch:
+            epoch, step_in_epoch = epoch + 1, 0
 
     if last_saved != step:
-        save(step, epoch + 1)
+        save()
     if writer:
         writer.close()
     log.info("done: checkpoints in %s, TensorBoard logs in %s", run_dir / "checkpoints",

@@ -53,3 +53,14 @@ def only_run_dir(output_dir: Path) -> Path:
 @pytest.fixture
 def tiny_args(tmp_path) -> list[str]:
     return [*TINY, f"run.output_dir={tmp_path / 'runs'}"]
+
+
+class RunsCode:
+    """Pickled into a checkpoint, this runs `touch marker` when unpickled: what a malicious
+    checkpoint would do. Tests check that loading refuses it and the marker never appears."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))

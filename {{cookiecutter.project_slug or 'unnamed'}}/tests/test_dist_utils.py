@@ -8,6 +8,7 @@ import torch
 
 import dist_utils
 from config import UserError
+from conftest import RunsCode
 from model import MLP, unwrap
 
 
@@ -64,16 +65,6 @@ def test_missing_truncated_and_foreign_checkpoints(tmp_path):
     torch.save({"weights": torch.ones(1)}, other)
     with pytest.raises(UserError, match="not a checkpoint of this project"):
         dist_utils.load_checkpoint(other)
-
-
-class RunsCode:
-    """Unpickling this calls os.system: what a malicious checkpoint would do."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 def test_checkpoint_that_would_run_code_is_refused(tmp_path):

@@ -1,0 +1,193 @@
+"""Faults with real processes: killed workers, killed checkpoint writes, a raising rank, bad
+resume input. torchrun restarts the workers (run.sh's --max-restarts) and train.py resumes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, RunsCode, command_env, only_run_dir, run, torchrun
+from dist_utils import list_checkpoints
+
+PROJECT = Path(__file__).resolve().parents[1]
+# 190 optimizer steps, dropout on (the default 0.1): an exact resume needs the RNG states too.
+LONG = [*TINY, "train.epochs=10", "train.log_every=1", "train.ckpt_every=5"]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    parent_of = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent_of[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parent_of.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def rank_of(pid: int) -> int | None:
+    """The RANK torchrun gave a worker (None for the launcher processes)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [int(v.split(b"=")[1]) for v in environ if v.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+def wait_for(condition, launcher: subprocess.Popen, what: str, timeout: float = 120):
+    """Poll until condition() is truthy; fail if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        assert launcher.poll() is None, f"the job ended before {what}"
+        time.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def logged_steps(output_dir: Path) -> int:
+    logs = list(output_dir.glob("*/train_log.jsonl"))
+    return len(logs[0].read_text().splitlines()) if logs else 0
+
+
+def launch(args: list[str], **env: str) -> subprocess.Popen:
+    # A session of its own: if the job hangs, finish() can stop it and all its workers.
+    return subprocess.Popen(["./run.sh", *args], cwd=PROJECT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=command_env(NPROC_PER_NODE="2", **env))
+
+
+def finish(launcher: subprocess.Popen, timeout: float = 120) -> str:
+    try:
+        return launcher.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        raise AssertionError(f"the job hung:\n{launcher.communicate()[0][-3000:]}") from None
+
+
+def kill_worker(launcher: subprocess.Popen, rank: int) -> None:
+    workers = {rank_of(pid): pid for pid in descendants(launcher.pid)}
+    os.kill(workers[rank], signal.SIGKILL)
+
+
+def final_model(run_dir: Path) -> dict:
+    return torch.load(list_checkpoints(run_dir / "checkpoints")[-1], weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("reference")
+    result = run(["./run.sh", *LONG, f"run.output_dir={out}"], NPROC_PER_NODE="2")
+    assert result.returncode == 0, result.stdout
+    return final_model(only_run_dir(out))
+
+
+@pytest.mark.parametrize(("kill_after", "rank"), [(9, 1), (38, 0), (121, 1)])
+def test_killed_worker_resumes_bitwise_exact(tmp_path, uninterrupted, kill_after, rank):
+    launcher = launch([*LONG, f"run.output_dir={tmp_path}"])
+    wait_for(lambda: logged_steps(tmp_path) >= kill_after, launcher, f"step {kill_after}")
+    kill_worker(launcher, rank)
+    output = finish(launcher)
+    assert launcher.returncode == 0, output
+    assert output.count("resumed from") == 1, output
+    resumed = final_model(only_run_dir(tmp_path))
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    steps = [json.loads(line)["step"] for line in
+             (only_run_dir(tmp_path) / "train_log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 191))  # the log after a resume: no step twice, none missing
+
+
+def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path):
+    # A wide model makes each checkpoint ~100 MB, so the write takes long enough to be hit.
+    args = [*TINY, "model.hidden_dim=2048", "model.num_layers=3", "train.ckpt_every=5",
+            "train.epochs=1", "train.keep_checkpoints=0", f"run.output_dir={tmp_path}"]
+    launcher = launch(args)
+    folder = wait_for(lambda: next(iter(tmp_path.glob("*/checkpoints/step-00000005.pt")), None),
+                      launcher, "the first checkpoint").parent
+    partial = wait_for(lambda: next(iter(folder.glob(".step-00000010.pt.tmp-*")), None),
+                       launcher, "the second checkpoint's write")
+    kill_worker(launcher, 0)  # rank 0 is the writer
+    killed_while_writing = partial.exists() and not (folder / "step-00000010.pt").exists()
+    output = finish(launcher)
+    assert killed_while_writing, "the write finished before the kill: make it bigger"
+    assert launcher.returncode == 0, output
+    assert "resumed from" in output and "step-00000005.pt: step 5" in output, output
+    assert list(folder.glob(".*tmp*")) == []  # the partial file was cleaned up
+    assert [p.name for p in list_checkpoints(folder)] == ["step-00000005.pt", "step-00000010.pt",
+                                                          "step-00000015.pt", "step-00000019.pt"]
+
+
+def test_a_raising_rank_ends_the_job_promptly_with_one_report(tmp_path):
+    start = time.monotonic()
+    result = run(["./run.sh", "tests/fail_at_step.py", *TINY, f"run.output_dir={tmp_path}"],
+                 timeout=60, NPROC_PER_NODE="2", MAX_RESTARTS="0", FAIL_STEP="7", FAIL_RANK="1")
+    assert time.monotonic() - start < 30
+    assert result.returncode != 0
+    assert result.stdout.count("ValueError: planted bug at step 7") == 1, result.stdout
+    assert result.stdout.count("rank 1 failed:") == 1, result.stdout
+    leftover = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                if str(tmp_path).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert leftover == []  # no orphaned workers
+
+
+def test_bad_resume_input_is_one_line(tmp_path):
+    out = tmp_path / "small"
+    assert run([sys.executable, "train.py", *TINY, "train.epochs=1",
+                f"run.dir={out}"]).returncode == 0
+    checkpoint = list_checkpoints(out / "checkpoints")[-1]
+    other_shape = run([sys.executable, "train.py", *TINY, "model.hidden_dim=64",
+                       f"train.resume={checkpoint}", f"run.output_dir={tmp_path / 'a'}"])
+    assert other_shape.returncode == 2
+    assert other_shape.stdout.strip().splitlines() == [
+        line for line in other_shape.stdout.strip().splitlines() if line.startswith("error:")]
+    assert "does not fit the model" in other_shape.stdout and "size mismatch" in other_shape.stdout
+
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(checkpoint.read_bytes()[:5000])
+    result = torchrun(2, "train.py", *TINY, f"train.resume={truncated}",
+                      f"run.output_dir={tmp_path / 'b'}")
+    assert result.returncode != 0
+    assert result.stdout.count(f"cannot load checkpoint {truncated}") == 1, result.stdout
+
+
+def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
+    marker = tmp_path / "code-ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {}, "optimizer": RunsCode(marker)}, evil)
+    result = run([sys.executable, "train.py", *TINY, f"train.resume={evil}",
+                  f"run.output_dir={tmp_path / 'runs'}"])
+    assert result.returncode == 2
+    assert "refusing to load checkpoint" in result.stdout
+    assert not marker.exists()
+
+
+def test_resume_with_another_process_count(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run(["./run.sh", *TINY, "train.max_steps=25", f"run.dir={run_dir}"],
+                NPROC_PER_NODE="2")
+    assert first.returncode == 0, first.stdout
+    second = run([sys.executable, "train.py", *TINY, f"run.dir={run_dir}"])
+    assert second.returncode == 0, second.stdout
+    assert "resuming 1 process(es) from a checkpoint of 2" in second.stdout
+    assert "resumed from" in second.stdout
+    assert "step 25, epoch 2, 6 step(s) into it" in second.stdout
+    steps = [json.loads(line)["step"] for line in
+             (run_dir / "train_log.jsonl").read_text().splitlines()]
+    # Logged every 5 steps and at each epoch's end (19, 38, 57); nothing twice, nothing lost.
+    assert steps == sorted({*range(5, 58, 5), 19, 38, 57})
