@@ -13,8 +13,12 @@ ANSWERS = {
     "project_name": {{ cookiecutter.project_name | string | tojson }},
     "project_slug": {{ cookiecutter.project_slug | string | tojson }},
     "gpus_per_node": {{ cookiecutter.gpus_per_node | string | tojson }},
+    "num_nodes": {{ cookiecutter.num_nodes | string | tojson }},
+    "scheduler": {{ cookiecutter.scheduler | string | tojson }},
 }
 MAX_GPUS_PER_NODE = 1024
+MAX_NODES = 4096
+SCHEDULERS = ("none", "slurm")
 
 
 def problems(answers: dict) -> list[str]:
@@ -34,6 +38,16 @@ def problems(answers: dict) -> list[str]:
         found.append(
             f"gpus_per_node {gpus!r} is not valid: give a whole number from 1 to "
             f"{MAX_GPUS_PER_NODE} (the processes torchrun starts on each machine)"
+        )
+    nodes = answers["num_nodes"].strip()
+    if not re.fullmatch(r"[0-9]+", nodes) or not 1 <= int(nodes) <= MAX_NODES:
+        found.append(
+            f"num_nodes {nodes!r} is not valid: give a whole number from 1 to {MAX_NODES} "
+            "(the machines one job runs on)"
+        )
+    if answers["scheduler"] not in SCHEDULERS:
+        found.append(
+            f"scheduler {answers['scheduler']!r} is not valid: choose one of {', '.join(SCHEDULERS)}"
         )
     return found
 

@@ -4,6 +4,7 @@ import os
 import stat
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 from conftest import TEMPLATE, run, unrendered_files
@@ -13,7 +14,7 @@ EXPECTED_FILES = {
     "data.py", "dist_utils.py", "evaluate.py", "model.py", "train.py", "tests/conftest.py",
     "tests/test_config.py", "tests/test_data.py", "tests/test_dist_utils.py",
     "tests/test_distributed.py", "tests/probes.py", "metrics.py", "check_equivalence.py",
-    "tests/test_faults.py", "tests/fail_at_step.py",
+    "tests/test_faults.py", "tests/fail_at_step.py", "tests/test_launch.py", "preflight.py",
 }
 
 
@@ -47,6 +48,32 @@ def test_bake_renders_everything(cookies, answers):
     assert f'nproc_per_node="${{NPROC_PER_NODE:-{gpus}}}"' in run_sh.read_text()
     assert "torchrun --standalone" in run_sh.read_text()
     assert answers.get("project_name", "My DDP Experiment") in (project / "README.md").read_text()
+
+
+def shellcheck(*paths):
+    return run([Path(sys.executable).parent / "shellcheck", *paths], cwd=TEMPLATE, timeout=60)
+
+
+def test_slurm_bake_asks_for_the_nodes_and_gpus_and_passes_shellcheck(cookies):
+    result = cookies.bake(extra_context={"num_nodes": "4", "gpus_per_node": "8",
+                                         "scheduler": "slurm"})
+    assert result.exit_code == 0, result.exception
+    project = result.project_path
+    sbatch = (project / "slurm.sbatch").read_text()
+    assert "#SBATCH --nodes=4\n" in sbatch and "#SBATCH --gpus-per-node=8\n" in sbatch
+    assert "#SBATCH --ntasks-per-node=1\n" in sbatch
+    assert 'nnodes="${NNODES:-4}"' in (project / "run.sh").read_text()
+    assert os.stat(project / "slurm.sbatch").st_mode & stat.S_IXUSR
+    assert unrendered_files(project) == []
+    checked = shellcheck(project / "run.sh", project / "slurm.sbatch")
+    assert checked.returncode == 0, checked.stdout
+
+
+def test_default_bake_has_no_slurm_file_and_a_clean_run_sh(cookies):
+    project = cookies.bake().project_path
+    assert not (project / "slurm.sbatch").exists()  # files that do not apply are not generated
+    checked = shellcheck(project / "run.sh")
+    assert checked.returncode == 0, checked.stdout
 
 
 def test_cli_bake_with_eight_gpus_launches_eight_processes(tmp_path):

@@ -17,6 +17,8 @@ from cookiecutter.main import cookiecutter
         ({"gpus_per_node": "-1"}, "gpus_per_node"),
         ({"gpus_per_node": "abc"}, "gpus_per_node"),
         ({"gpus_per_node": "2.5"}, "gpus_per_node"),
+        ({"num_nodes": "0"}, "num_nodes"),
+        ({"num_nodes": "two"}, "num_nodes"),
     ],
 )
 def test_bad_answer_is_rejected(tmp_path, capfd, answers, field):
@@ -26,6 +28,13 @@ def test_bad_answer_is_rejected(tmp_path, capfd, answers, field):
     assert len(errors) == 1, errors
     value = next(iter(answers.values()))
     assert errors[0].startswith(f"error: {field} {value!r}")
-    allowed = "whole number from 1" if field == "gpus_per_node" else "letters, digits"
+    allowed = "letters, digits" if field == "project_slug" else "whole number from 1"
     assert allowed in errors[0] or "keyword" in errors[0]
     assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_unknown_scheduler_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="scheduler.*choices are \\['none', 'slurm'\\]"):
+        cookiecutter(str(TEMPLATE), no_input=True, extra_context={"scheduler": "pbs"},
+                     output_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []

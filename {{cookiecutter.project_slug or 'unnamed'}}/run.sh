@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Launch training (or another entry point) on this machine with torchrun, one process per GPU.
+# Launch training (or another entry point) with torchrun, one process per GPU.
 #
 #   ./run.sh                                  # train.py with configs/default.yaml
 #   ./run.sh train.epochs=50 optim.lr=0.001   # key=value overrides, checked before launch
 #   ./run.sh evaluate.py eval.checkpoint=runs/<run>
-#   NPROC_PER_NODE=4 ./run.sh                 # another process count (default: {{ cookiecutter.gpus_per_node }})
-#   MAX_RESTARTS=0 ./run.sh                   # do not restart failed workers (default: 3)
 #
-# When a worker dies (killed, out of memory, an exception), torchrun stops the others and starts
-# them all again, up to MAX_RESTARTS times; train.py then resumes from the run's latest checkpoint.
+# Environment (defaults from the project's generation):
+#   NPROC_PER_NODE  processes on this machine (default {{ cookiecutter.gpus_per_node }})
+#   NNODES          machines in the job (default {{ cookiecutter.num_nodes }}); 1 uses torchrun --standalone
+#   MASTER_ADDR     several nodes: the head node's address, the same on every node
+#   MASTER_PORT     several nodes: the rendezvous port on the head node (default 29500)
+#   RDZV_ID         several nodes: a job id, the same on every node and new for every job
+#                   (default $SLURM_JOB_ID); a restarted job finds its run folder by it
+#   NODE_RANK       optional: 0 on the head node makes the preflight check the port is free
+#   MAX_RESTARTS    restarts of failed workers (default 3); train.py resumes from the latest
+#                   checkpoint. 0 while debugging.
 #
 # OMP_NUM_THREADS defaults to this machine's cores divided by the processes (at least 1), so
 # the processes do not oversubscribe the CPU and torchrun does not warn about it.
@@ -17,10 +23,15 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 
 nproc_per_node="${NPROC_PER_NODE:-{{ cookiecutter.gpus_per_node }}}"
 max_restarts="${MAX_RESTARTS:-3}"
+nnodes="${NNODES:-{{ cookiecutter.num_nodes }}}"
 python="${PYTHON:-python3}"
 
 if ! [[ "$nproc_per_node" =~ ^[1-9][0-9]*$ ]]; then
   echo "error: NPROC_PER_NODE=$nproc_per_node is not valid: it must be a whole number of processes, at least 1" >&2
+  exit 2
+fi
+if ! [[ "$nnodes" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: NNODES=$nnodes is not valid: it must be a whole number of machines, at least 1" >&2
   exit 2
 fi
 if ! [[ "$max_restarts" =~ ^[0-9]+$ ]]; then
@@ -49,12 +60,22 @@ fi
 # (pytorch/pytorch#135712). Each attempt then gets a fresh store, hosted by its rank 0.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
-# Check the command line before any worker starts: a typo fails in a second, with one message.
-preflight=("$python" config.py)
-if [[ "$script" == train.py ]]; then
-  preflight+=(--world-size "$nproc_per_node")
+if [[ "$nnodes" -eq 1 ]]; then
+  rendezvous=(--standalone --nnodes=1)
+  endpoint=""
+else
+  rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-}}"
+  if [[ -z "${MASTER_ADDR:-}" || -z "$rdzv_id" ]]; then
+    echo "error: NNODES=$nnodes needs MASTER_ADDR (the head node's address) and RDZV_ID (a job id), the same on every node" >&2
+    exit 2
+  fi
+  endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
+  rendezvous=(--nnodes="$nnodes" --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$rdzv_id")
 fi
-"${preflight[@]}" "$@" >/dev/null
+
+# Check the command line and this machine before any worker starts: one line, in a second.
+"$python" preflight.py --nproc-per-node "$nproc_per_node" --nnodes "$nnodes" --script "$script" \
+  --endpoint "$endpoint" --node-rank "${NODE_RANK:-}" "$@"
 
 # A mistake in the input (a bad checkpoint, say) is reported once by rank 0, which also writes it
 # here; the workers then exit 0, so torchrun neither restarts them (the mistake would only come
@@ -64,7 +85,7 @@ trap 'rm -f "$error_file"' EXIT
 export RUN_SH_ERROR_FILE="$error_file"
 
 status=0
-torchrun --standalone --nnodes=1 --nproc_per_node="$nproc_per_node" \
+torchrun "${rendezvous[@]}" --nproc_per_node="$nproc_per_node" \
   --max-restarts="$max_restarts" "$script" "$@" || status=$?
 if [[ -s "$error_file" ]]; then
   exit 2
