@@ -55,7 +55,7 @@ def create_run_dir(cfg: DictConfig, env: dist_utils.DistEnv) -> Path | None:
         return None
     output_dir = Path(cfg.run.output_dir)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if run_id and cfg.train.resume == "auto":
+    if run_id and cfg.train.resume != "never":
         for marker in output_dir.glob(f"*/{RUN_ID_FILE}"):
             if marker.read_text() == run_id:
                 return marker.parent
@@ -75,11 +75,12 @@ def create_run_dir(cfg: DictConfig, env: dist_utils.DistEnv) -> Path | None:
 
 def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
     """train.resume: auto -> this run's latest checkpoint (None for a new run); never -> None;
-    anything else -> that checkpoint file, or that run folder's latest checkpoint."""
+    anything else -> that checkpoint file, or that run folder's latest checkpoint. Once this run
+    has checkpoints of its own (a torchrun restart), its latest one wins over both."""
     if cfg.train.resume == "never":
         return None
-    if cfg.train.resume == "auto":
-        found = dist_utils.list_checkpoints(run_dir / "checkpoints")
+    found = dist_utils.list_checkpoints(run_dir / "checkpoints")
+    if found or cfg.train.resume == "auto":
         return found[-1] if found else None
     path = find_checkpoint(cfg.train.resume)
     if not path.exists():
@@ -179,7 +180,7 @@ def main(argv: list[str]) -> None:
             except (KeyError, ValueError, TypeError) as error:
                 raise UserError(f"cannot resume from {resume_from}: its optimizer or position "
                                 f"does not fit this run ({error})") from None
-        if state.get("world_size") == env.world_size:
+        if state.get("world_size") == env.world_size and "rng" in state:
             dist_utils.set_rng_state(state["rng"][env.rank])
         else:
             log.warning("resuming %d process(es) from a checkpoint of %d: model, optimizer and "
