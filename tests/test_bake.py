@@ -15,6 +15,7 @@ EXPECTED_FILES = {
     "tests/test_config.py", "tests/test_data.py", "tests/test_dist_utils.py",
     "tests/test_distributed.py", "tests/probes.py", "metrics.py", "check_equivalence.py",
     "tests/test_faults.py", "tests/fail_at_step.py", "tests/test_launch.py", "preflight.py",
+    "speed.py", "tests/test_speed.py",
 }
 
 

@@ -13,8 +13,10 @@ not, with the first step that differs and what usually causes it.
 """
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,8 +37,15 @@ CAUSES = """What breaks equivalence, and the fix:
     below the steps of one epoch"""
 
 
+def finished(run_dir: Path, steps: int) -> bool:
+    """Whether run_dir holds a finished run of `steps` steps (its final checkpoint)."""
+    return (run_dir / "checkpoints" / f"step-{steps:08d}.pt").is_file()
+
+
 def train(workdir: Path, name: str, nproc: int, overrides: list[str]) -> Path:
     run_dir = workdir / name
+    if run_dir.exists():  # a run folder would be resumed, not trained afresh
+        shutil.rmtree(run_dir)
     args = ["train.py", *overrides, f"run.dir={run_dir}"]
     if nproc > 1:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
@@ -69,7 +78,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rtol", type=float, default=1e-5, help="relative loss tolerance")
     parser.add_argument("--param-atol", type=float, default=1e-4,
                         help="largest allowed absolute difference of a final parameter")
-    parser.add_argument("--workdir", type=Path, help="keep both runs here (default: temporary)")
+    parser.add_argument("--workdir", type=Path, help="keep the runs here (default: temporary); "
+                        "a finished 1-process run of the same config there is reused")
     args, overrides = parser.parse_known_args(argv)
 
     common = [*overrides, "model.dropout=0", f"train.max_steps={args.steps}",
@@ -81,7 +91,13 @@ def main(argv: list[str]) -> int:
         return 2
     with tempfile.TemporaryDirectory() as scratch:
         workdir = args.workdir or Path(scratch)
-        one = train(workdir, "one-process", 1, common)
+        # Named by its config, so checks of several candidates can share it.
+        key = hashlib.sha256("\n".join(common).encode()).hexdigest()[:10]
+        one = workdir / f"one-process-{key}"
+        if finished(one, args.steps):
+            print(f"reusing the 1-process run in {one}")
+        else:
+            train(workdir, one.name, 1, common)
         many = train(workdir, f"{args.nproc}-processes-accum-{args.accum}", args.nproc,
                      [*common, f"train.grad_accum_steps={args.accum}"])
         losses_one, losses_many = step_losses(one), step_losses(many)

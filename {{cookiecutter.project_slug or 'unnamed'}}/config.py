@@ -38,23 +38,26 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = "digits"  # digits | synthetic (classification) | diabetes (regression)
+    dataset: str = "digits"  # digits | synthetic | images (classification) | diabetes (regression)
     val_fraction: float = 0.15
     test_fraction: float = 0.2
     split_seed: int = 0  # fixes the train/val/test split, independent of run.seed
-    num_workers: int = 0  # DataLoader worker processes per rank
-    synthetic_samples: int = 2000
-    synthetic_features: int = 32
-    synthetic_classes: int = 4
+    num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process)
+    worker_start_method: str = "forkserver"  # forkserver | spawn | fork (fork is unsafe with CUDA)
+    synthetic_samples: int = 2000  # synthetic and images
+    synthetic_features: int = 32  # synthetic
+    synthetic_classes: int = 4  # synthetic and images
+    image_size: int = 32  # images: 3 x image_size x image_size
 
 
 @dataclass
 class ModelConfig:
-    name: str = "mlp"  # a key of model.MODELS
-    hidden_dim: int = 256
-    num_layers: int = 2  # hidden layers
+    name: str = "mlp"  # a key of model.MODELS: mlp (any input) | cnn (image inputs)
+    hidden_dim: int = 256  # mlp: width of the hidden layers
+    channels: int = 32  # cnn: channels of the first convolution (doubling in each later one)
+    num_layers: int = 2  # mlp: hidden layers; cnn: resolution-halving convolutions
     dropout: float = 0.1
-    batchnorm: bool = False  # BatchNorm1d after each hidden layer
+    batchnorm: bool = False  # BatchNorm after each hidden (mlp) or convolution (cnn) layer
     sync_batchnorm: bool = False  # convert BatchNorm to SyncBatchNorm (statistics over all ranks)
 
 
@@ -64,6 +67,7 @@ class OptimConfig:
     weight_decay: float = 0.01
     warmup_steps: int = 20
     schedule: str = "cosine"  # cosine | constant (after warmup)
+    grad_clip: float = 0.0  # clip the global gradient norm to this; 0: no clipping
 
 
 @dataclass
@@ -90,6 +94,16 @@ class DDPConfig:
 
 
 @dataclass
+class SpeedConfig:
+    precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16
+    tf32: bool = True  # TensorFloat-32 for float32 matmuls and convolutions (Ampere+ GPUs only)
+    channels_last: bool | None = None  # null: auto (true for image batches on CUDA)
+    compile: bool = False  # torch.compile the model: faster steps after a slower first one
+    compile_mode: str = "default"  # default | reduce-overhead | max-autotune
+    fused_adamw: bool | None = None  # null: auto (true on CUDA and CPU): AdamW in one kernel
+
+
+@dataclass
 class EvalConfig:
     checkpoint: str = ""  # a checkpoint file, or a run folder (its latest checkpoint)
     split: str = "test"  # test | val
@@ -106,27 +120,35 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 CHOICES = {
-    "data.dataset": ("digits", "synthetic", "diabetes"),
+    "data.dataset": ("digits", "synthetic", "images", "diabetes"),
+    "data.worker_start_method": ("forkserver", "spawn", "fork"),
     "optim.schedule": ("cosine", "constant"),
     "train.device": ("auto", "cuda", "cpu"),
     "ddp.backend": ("auto", "nccl", "gloo"),
+    "speed.precision": ("auto", "fp32", "bf16", "fp16"),
+    "speed.compile_mode": ("default", "reduce-overhead", "max-autotune"),
     "eval.split": ("test", "val"),
 }
 POSITIVE = (
-    "data.synthetic_samples", "data.synthetic_features", "model.hidden_dim", "optim.lr",
+    "data.synthetic_samples", "data.synthetic_features", "data.image_size", "model.hidden_dim",
+    "model.channels",
+    "optim.lr",
     "train.epochs", "train.global_batch_size", "train.grad_accum_steps", "train.log_every",
     "ddp.timeout_minutes",
     "eval.batch_size",
 )
 NON_NEGATIVE = (
     "data.num_workers", "model.num_layers", "optim.weight_decay", "optim.warmup_steps",
+    "optim.grad_clip",
     "train.ckpt_every", "train.max_steps", "train.keep_checkpoints",
 )
-TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
+TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string",
+              bool | None: "true, false or null (null: chosen automatically)"}
 
 # Old launchers (`python -m torch.distributed.launch`) append --local_rank=N / --local-rank=N.
 # torchrun puts the same value in LOCAL_RANK, which is what dist_utils reads.
@@ -222,7 +244,7 @@ def _check_values(cfg: DictConfig, world_size: int | None) -> None:
             raise UserError(f"{key}={OmegaConf.select(cfg, key)} must be between 0 and 1")
     if cfg.data.val_fraction + cfg.data.test_fraction >= 1:
         raise UserError("data.val_fraction + data.test_fraction must leave samples to train on")
-    if cfg.data.dataset == "synthetic" and cfg.data.synthetic_classes < 2:
+    if cfg.data.dataset in ("synthetic", "images") and cfg.data.synthetic_classes < 2:
         raise UserError("data.synthetic_classes must be at least 2")
     if world_size is not None:
         check_batch_divides(cfg, world_size)

@@ -9,15 +9,22 @@ To use your own data, replace `load_arrays` (or build your own `Dataset` objects
 `DataModule.__init__`); the sharding below works for any map-style dataset.
 """
 
+import importlib.util
 import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
-from sklearn.datasets import load_diabetes, load_digits, make_classification
-from sklearn.model_selection import train_test_split
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    Sampler,
+    TensorDataset,
+)
 
 from config import UserError
 from dist_utils import DistEnv
@@ -29,58 +36,132 @@ log = logging.getLogger("ddp")
 REGRESSION_DATASETS = ("diabetes",)
 
 
+def load_digits_images() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 1797 8x8 handwritten digits as 1x8x8 images in 0..1, and their labels.
+
+    The CSV ships inside scikit-learn; reading it directly spares each process the second it
+    takes to import scikit-learn. load_digits() is the fallback if the file ever moves.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    csv = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec else None
+    if csv and csv.is_file():
+        table = np.loadtxt(csv, delimiter=",", dtype=np.float32)
+        pixels, labels = table[:, :-1], table[:, -1]
+    else:
+        from sklearn.datasets import load_digits
+
+        pixels, labels = load_digits(return_X_y=True)
+    images = (pixels / 16.0).reshape(-1, 1, 8, 8)  # intensities 0..16 -> 0..1
+    return images.astype(np.float32), labels.astype(np.int64)
+
+
+def make_clusters(cfg: DictConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Synthetic vectors: one Gaussian cluster per class around a random corner of a hypercube
+    in the first few features (the rest is noise). Generated from data.split_seed."""
+    rng = np.random.default_rng(cfg.split_seed)
+    classes, features = cfg.synthetic_classes, cfg.synthetic_features
+    informative = min(features, max(2, classes))
+    centres = np.zeros((classes, features))
+    centres[:, :informative] = 2.0 * rng.choice([-1.0, 1.0], size=(classes, informative))
+    labels = rng.permutation(np.arange(cfg.synthetic_samples) % classes)
+    vectors = centres[labels] + rng.standard_normal((cfg.synthetic_samples, features))
+    return vectors.astype(np.float32), labels.astype(np.int64)
+
+
+def make_images(cfg: DictConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Synthetic 3 x size x size images: each class a smooth random pattern (a 4x4 grid of
+    colours, upsampled), each sample its class's pattern plus strong pixel noise."""
+    rng = np.random.default_rng(cfg.split_seed)
+    size, classes = cfg.image_size, cfg.synthetic_classes
+    cell = math.ceil(size / 4)
+    patterns = rng.standard_normal((classes, 3, 4, 4)).repeat(cell, 2).repeat(cell, 3)
+    labels = rng.permutation(np.arange(cfg.synthetic_samples) % classes)
+    images = np.empty((cfg.synthetic_samples, 3, size, size), dtype=np.float32)
+    for start in range(0, len(labels), 512):  # in chunks: float64 noise for all would be large
+        chunk = labels[start:start + 512]
+        noise = rng.standard_normal((len(chunk), 3, size, size))
+        images[start:start + 512] = 0.5 * patterns[chunk, :, :size, :size] + noise
+    return images, labels.astype(np.int64)
+
+
 def load_arrays(cfg: DictConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Features (float32, one row per sample) and targets for `data.dataset`: integer class
-    labels, or float values for the regression datasets in REGRESSION_DATASETS."""
+    """Inputs (float32, one sample per row: vectors or channels x height x width images) and
+    targets for `data.dataset`: integer class labels, or float values for the regression
+    datasets in REGRESSION_DATASETS."""
     if cfg.dataset == "diabetes":  # 442 patients, 10 features, disease progression (25..346)
-        features, targets = load_diabetes(return_X_y=True)  # bundled offline, features scaled
+        from sklearn.datasets import load_diabetes  # bundled offline; features scaled
+
+        features, targets = load_diabetes(return_X_y=True)
         return features.astype(np.float32), targets.astype(np.float32)
     if cfg.dataset == "digits":
-        features, labels = load_digits(return_X_y=True)  # 1797 8x8 images, bundled offline
-        features = features / 16.0  # pixel intensities 0..16 -> 0..1
-    else:  # synthetic: class-conditional clusters, generated from split_seed, needs nothing
-        features, labels = make_classification(
-            n_samples=cfg.synthetic_samples,
-            n_features=cfg.synthetic_features,
-            n_informative=min(cfg.synthetic_features, max(2, cfg.synthetic_classes)),
-            n_redundant=0,
-            n_classes=cfg.synthetic_classes,
-            n_clusters_per_class=1,
-            class_sep=2.0,
-            random_state=cfg.split_seed,
-        )
-    return features.astype(np.float32), labels.astype(np.int64)
+        return load_digits_images()
+    if cfg.dataset == "images":
+        return make_images(cfg)
+    return make_clusters(cfg)
+
+
+def _take(indices: np.ndarray, count: int, labels: np.ndarray | None, rng) -> np.ndarray:
+    """`count` of `indices` at random; with labels, each class in proportion to its size."""
+    if labels is None:
+        return rng.permutation(indices)[:count]
+    classes, sizes = np.unique(labels[indices], return_counts=True)
+    quota = sizes * count / len(indices)
+    per_class = np.floor(quota).astype(int)
+    largest_remainders = np.argsort(per_class - quota, kind="stable")
+    per_class[largest_remainders[:count - per_class.sum()]] += 1
+    return np.concatenate([rng.permutation(indices[labels[indices] == c])[:n]
+                           for c, n in zip(classes, per_class, strict=True)])
+
+
+def split_indices(cfg: DictConfig, labels: np.ndarray | None, total: int) -> dict:
+    """Sample indices of the train, val and test splits, fixed by data.split_seed.
+
+    test takes ceil(test_fraction x total) samples and val ceil(val_fraction x total) of the
+    rest (rounded as scikit-learn's train_test_split does), stratified by class when labels
+    are given, so every split holds the classes in the proportions of the whole set.
+    """
+    rng = np.random.default_rng(cfg.split_seed)
+    remaining = np.arange(total)
+    splits = {}
+    for name, fraction in (("test", cfg.test_fraction),
+                           ("val", cfg.val_fraction / (1 - cfg.test_fraction))):
+        chosen = _take(remaining, math.ceil(fraction * len(remaining)), labels, rng)
+        splits[name] = rng.permutation(chosen)
+        remaining = np.setdiff1d(remaining, chosen)
+    splits["train"] = rng.permutation(remaining)
+    for name, indices in splits.items():
+        if len(indices) == 0:
+            raise UserError(f"data.dataset={cfg.dataset} has {total} samples: too few to leave "
+                            f"any for the {name} split; change data.val_fraction / "
+                            "data.test_fraction")
+    return splits
+
+
+def supports_batch_indexing(dataset: Dataset) -> bool:
+    """Whether `dataset[list_of_indices]` returns the whole batch at once, as a TensorDataset's
+    does (tensors index with a list). Set `batch_indexing = True` on a dataset class of your own
+    that can, and its loaders take the fast path in DataModule._loader too."""
+    return isinstance(dataset, TensorDataset) or getattr(dataset, "batch_indexing", False)
 
 
 def split_arrays(cfg: DictConfig, features: np.ndarray, targets: np.ndarray) -> dict:
-    """Train/val/test split fixed by data.split_seed (stratified by class for classification).
+    """The train/val/test datasets (see split_indices) and the Task.
 
     Regression targets are standardised with the train split's mean and std (the model learns
     faster on unit scale); the returned Task turns predictions back into the original units.
     """
     regression = cfg.dataset in REGRESSION_DATASETS
-    try:
-        rest_x, test_x, rest_y, test_y = train_test_split(
-            features, targets, test_size=cfg.test_fraction, random_state=cfg.split_seed,
-            stratify=None if regression else targets,
-        )
-        train_x, val_x, train_y, val_y = train_test_split(
-            rest_x, rest_y, test_size=cfg.val_fraction / (1 - cfg.test_fraction),
-            random_state=cfg.split_seed, stratify=None if regression else rest_y,
-        )
-    except ValueError as error:  # e.g. a split too small to hold every class
-        raise UserError(f"cannot split data.dataset={cfg.dataset}: {error}") from None
+    splits = split_indices(cfg, None if regression else targets, len(targets))
     if regression:
+        train_y = targets[splits["train"]]
         mean, std = float(train_y.mean()), float(train_y.std())
         task = Task("regression", 1, target_mean=mean, target_std=std)
-        train_y, val_y, test_y = ((y - mean) / std for y in (train_y, val_y, test_y))
+        targets = ((targets - mean) / std).astype(np.float32)
     else:
         task = Task("classification", int(targets.max()) + 1)
-    datasets = {
-        name: TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
-        for name, x, y in (("train", train_x, train_y), ("val", val_x, val_y),
-                           ("test", test_x, test_y))
-    }
+    datasets = {name: TensorDataset(torch.from_numpy(features[indices]),
+                                    torch.from_numpy(targets[indices]))
+                for name, indices in splits.items()}
     return datasets, task
 
 
@@ -124,7 +205,7 @@ class DataModule:
     def __init__(self, cfg: DictConfig, env: DistEnv, device: torch.device):
         self.cfg, self.env, self.device = cfg, env, device
         self.datasets, self.task = split_arrays(cfg.data, *load_arrays(cfg.data))
-        self.num_features = self.datasets["train"].tensors[0].shape[1]
+        self.input_shape = tuple(self.datasets["train"][0][0].shape)  # of one sample
 
         # The config's batch size is the global one; config.check_batch_divides has made sure
         # it splits evenly, so every rank runs the same number of steps per epoch.
@@ -138,16 +219,34 @@ class DataModule:
         # No shuffle=True here: the sampler shuffles; a DataLoader refuses both.
         self.train_loader = self._loader(self.datasets["train"], self.micro_batch_size,
                                          self.train_sampler)
+        self._eval_loaders: dict[str, DataLoader] = {}
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Sampler) -> DataLoader:
+        """A DataLoader giving `sampler`'s indices in batches of `batch_size` (the last may be
+        smaller). For a dataset that supports batch indexing, each batch is read with one
+        `dataset[indices]` instead of one `dataset[i]` per sample and a collate that stacks
+        them: the same batches, for a fraction of the Python work per step."""
         workers = self.cfg.data.num_workers
+        if supports_batch_indexing(dataset):
+            # batch_size=None: the loader passes each list from the BatchSampler to the
+            # dataset as it is, and returns what comes back.
+            sampler, batch_size = BatchSampler(sampler, batch_size, drop_last=False), None
         return DataLoader(
             dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
             pin_memory=self.device.type == "cuda", persistent_workers=workers > 0,
-            # Its own generator: starting an epoch draws a seed for the worker processes, and
-            # drawing it from the global RNG would shift dropout masks after a resume.
-            generator=torch.Generator(),
+            # Workers start once (persistent) by forkserver or spawn, not fork: a forked copy of
+            # a process that has started CUDA or NCCL threads can deadlock.
+            multiprocessing_context=self.cfg.data.worker_start_method if workers else None,
+            # Its own generator: the seed of the worker processes is drawn from it, and drawing
+            # it from the global RNG would shift dropout masks after a resume. PyTorch seeds
+            # each worker's torch, random and numpy generators from it and the worker's id, so
+            # every worker of every rank has its own random stream (see train_batches).
+            generator=torch.Generator().manual_seed(self._worker_seed(epoch=0)),
         )
+
+    def _worker_seed(self, epoch: int) -> int:
+        """Seeds of the worker processes: distinct for every (run.seed, epoch, rank)."""
+        return (self.cfg.run.seed * 1_000_003 + epoch) * 1_009 + self.env.rank
 
     @property
     def steps_per_epoch(self) -> int:
@@ -159,9 +258,9 @@ class DataModule:
         leaving out the first `skip_steps` optimizer steps (when resuming mid-epoch)."""
         self.train_sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
         self.train_sampler.start = skip_steps * self.batch_size_per_rank
-        # Worker seeds depend on (seed, epoch, rank) only: the same after a resume.
-        self.train_loader.generator.manual_seed(
-            (self.cfg.run.seed * 1_000_003 + epoch) * 1_009 + self.env.rank)
+        # The workers' seeds are drawn from this generator when they start (persistent: at the
+        # first epoch this process runs), so they depend on (seed, epoch, rank) only.
+        self.train_loader.generator.manual_seed(self._worker_seed(epoch))
         try:
             yield from self.train_loader
         finally:
@@ -181,6 +280,8 @@ class DataModule:
 
     def eval_loader(self, split: str) -> DataLoader:
         """This rank's shard of `split` ("val" or "test"), each sample on exactly one rank."""
-        dataset = self.datasets[split]
-        sampler = EvalShardSampler(len(dataset), self.env.world_size, self.env.rank)
-        return self._loader(dataset, self.cfg.eval.batch_size, sampler)
+        if split not in self._eval_loaders:  # kept: its workers persist between evaluations
+            dataset = self.datasets[split]
+            sampler = EvalShardSampler(len(dataset), self.env.world_size, self.env.rank)
+            self._eval_loaders[split] = self._loader(dataset, self.cfg.eval.batch_size, sampler)
+        return self._eval_loaders[split]

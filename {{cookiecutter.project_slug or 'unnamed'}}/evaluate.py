@@ -22,39 +22,33 @@ from omegaconf import DictConfig
 import dist_utils
 from config import UserError, config_from_dict, load_config
 from data import DataModule
-from metrics import Task, build_metrics, finish_metrics, scalars, update_metrics
+from metrics import SplitOutputs, Task, scalars
 from model import build_model
+from speed import FLOAT32, Speed, resolve_speed
 
 log = logging.getLogger("ddp")
 
 
 @torch.no_grad()
 def evaluate_split(model: torch.nn.Module, loader, device: torch.device, task: Task,
-                   keep_outputs: bool = False) -> dict:
-    """Exact metrics over the whole split (see metrics.py); call it on every rank.
+                   speed: Speed = FLOAT32) -> dict:
+    """Exact metrics over the whole split (see metrics.py), and the split's `predictions` and
+    `targets` in split order (in the data's own units); call it on every rank.
 
     Pass the unwrapped model: DDP's forward may sync buffers, which would need every rank to run
-    the same number of batches, and shards may differ by one sample. With keep_outputs, the
-    result also holds this rank's "predictions" and "targets" (in the data's own units).
+    the same number of batches, and shards may differ by one sample.
     """
     was_training = model.training
     model.eval()
-    metrics = build_metrics(task).to(device)
-    kept = []
+    outputs = SplitOutputs(task)
     for inputs, targets in loader:
-        inputs = inputs.to(device, non_blocking=True)
+        inputs = speed.inputs(inputs.to(device, non_blocking=True))
         targets = targets.to(device, non_blocking=True)
-        outputs = model(inputs)
-        update_metrics(metrics, task, outputs, targets)
-        if keep_outputs:
-            kept.append((task.predictions(outputs).cpu(), task.originals(targets).cpu()))
+        with speed.autocast(device):
+            predicted = model(inputs)
+        outputs.update(predicted.float(), targets)  # metrics in float64, whatever the autocast
     model.train(was_training)
-    result = finish_metrics(metrics, task)  # collectives: the same calls on every rank
-    if keep_outputs:
-        predictions, targets = zip(*kept, strict=True) if kept else ((), ())
-        result["predictions"] = torch.cat(predictions) if kept else torch.empty(0)
-        result["targets"] = torch.cat(targets) if kept else torch.empty(0)
-    return result
+    return outputs.compute()  # collectives: the same calls on every rank
 
 
 def find_checkpoint(spec: str) -> Path:
@@ -85,7 +79,7 @@ def restore_model_weights(model: torch.nn.Module, state: dict, source: Path) -> 
 
 
 def restore_model(state: dict, train_cfg: DictConfig, data: DataModule, source: Path):
-    model = build_model(train_cfg.model, data.num_features, data.task.num_outputs)
+    model = build_model(train_cfg.model, data.input_shape, data.task.num_outputs)
     restore_model_weights(model, state, source)
     return model
 
@@ -121,10 +115,10 @@ def write_tensorboard(out_dir: Path, result: dict, task: Task, step: int, split:
         for name, value in scalars(result).items():
             writer.add_scalar(f"{split}/{name}", value, step)
         if task.is_classification:
+            targets, predictions = result["targets"].cpu(), result["predictions"].cpu()
             for cls in range(task.num_outputs):
-                writer.add_pr_curve(f"{split}/pr_curve/class_{cls}",
-                                    result["targets"] == cls, result["predictions"][:, cls],
-                                    global_step=step, num_thresholds=201)
+                writer.add_pr_curve(f"{split}/pr_curve/class_{cls}", targets == cls,
+                                    predictions[:, cls], global_step=step, num_thresholds=201)
 
 
 def summary_lines(result: dict, task: Task) -> list[str]:
@@ -152,15 +146,14 @@ def main(argv: list[str]) -> None:
         train_cfg.eval = cfg.eval  # model and data as trained; evaluation settings from this call
         data = DataModule(train_cfg, env, device)
         model = restore_model(state, train_cfg, data, checkpoint)
+        # Precision and memory format from this call's speed settings (compile is not used).
+        speed = resolve_speed(cfg, device, data.input_shape)
     # No DDP wrapper: evaluation computes no gradients, and the weights are the same everywhere.
-    model = model.to(device)
+    model = model.to(device, memory_format=torch.channels_last if speed.channels_last
+                     else torch.preserve_format)
     start = time.perf_counter()
     split, task = cfg.eval.split, data.task
-    result = evaluate_split(model, data.eval_loader(split), device, task, keep_outputs=True)
-    # Whole-split predictions, in split order (rank blocks are contiguous), for TensorBoard's
-    # PR curves and predictions.npz; the metrics above do not need them.
-    result["predictions"] = torch.cat(dist_utils.gather_objects(result["predictions"]))
-    result["targets"] = torch.cat(dist_utils.gather_objects(result["targets"]))
+    result = evaluate_split(model, data.eval_loader(split), device, task, speed)
     seconds = time.perf_counter() - start
     if not env.is_main:
         return
@@ -181,8 +174,8 @@ def main(argv: list[str]) -> None:
     write_tensorboard(out_dir, result, task, state.get("step") or 0, split)
     written.append("tb/")
     if cfg.eval.save_predictions:
-        np.savez(out_dir / "predictions.npz", predictions=result["predictions"].numpy(),
-                 targets=result["targets"].numpy())
+        np.savez(out_dir / "predictions.npz", predictions=result["predictions"].cpu().numpy(),
+                 targets=result["targets"].cpu().numpy())
         written.append("predictions.npz")
 
     log.info("evaluated %s on the %s split: %d samples, %d process(es), %.2fs",

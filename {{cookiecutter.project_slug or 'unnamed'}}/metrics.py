@@ -1,17 +1,22 @@
 """Tasks (what the model predicts and how it is scored) and exact metrics across processes.
 
-Every rank feeds its own shard of the evaluation split into torchmetrics objects; `compute()`
-then gathers the metric *states* of all ranks (predictions and targets for curves, sums and
-counts for the rest; shards of different sizes are fine) and computes each metric once over the
-whole split. So accuracy, the confusion matrix, precision-recall curves and average precision
-(classification), MAE and RMSE (regression) are those of a one-process evaluation, whatever the
-process count. Averaging per-rank metrics would not be: a PR curve cannot be averaged, and even a
-mean of means is wrong when shards differ in size.
+Every rank keeps one row per sample of its shard of the evaluation split (the sample's loss, its
+target and the model's prediction: class probabilities or a value). `SplitOutputs.compute()`
+gathers the rows of all ranks, in rank order, which is the split's own order because the shards
+are contiguous blocks (data.EvalShardSampler), and computes every metric once over the whole
+split, on every rank. So loss, accuracy, the confusion matrix, precision-recall curves and average
+precision (classification), MAE and RMSE (regression) are the numbers a one-process evaluation
+gives, summed in the same order, whatever the process count. Averaging per-rank metrics would not
+be: a PR curve cannot be averaged, and even a mean of means is wrong when shards differ in size.
+
+One gather of all rows costs two collectives per evaluation, however many metrics there are.
+Exact PR curves need every prediction anyway; rows take (classes + 2) float64 numbers a sample.
 """
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -52,74 +57,101 @@ class Task:
         return targets.double() * self.target_std + self.target_mean
 
 
-def build_metrics(task: Task):
-    """The metric states one rank accumulates (a torchmetrics MetricCollection); see the module
-    docstring for how they combine."""
-    # Imported here, not at the top: torchmetrics takes a second or two to import, and training
-    # should not wait for it before its first step.
-    from torchmetrics import MeanMetric, MetricCollection, SumMetric
-    from torchmetrics.classification import (
-        MulticlassAveragePrecision,
-        MulticlassConfusionMatrix,
-        MulticlassPrecisionRecallCurve,
-    )
-    from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError
+class SplitOutputs:
+    """One rank's per-sample rows of an evaluation split: [loss, target, prediction(s)], float64,
+    the target and predictions in the data's own units."""
 
-    # Loss as a sample-weighted mean in float64: exact under any sharding, not a mean of means.
-    metrics = {"loss": MeanMetric().set_dtype(torch.float64),
-               "num_samples": SumMetric().set_dtype(torch.float64)}
+    def __init__(self, task: Task):
+        self.task = task
+        self.rows: list[torch.Tensor] = []
+
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        task = self.task
+        loss = task.loss(outputs.double(), targets if task.is_classification
+                         else targets.double(), reduction="none")
+        predictions = task.predictions(outputs).reshape(len(targets), -1)
+        self.rows.append(torch.cat([loss[:, None], task.originals(targets).double()[:, None],
+                                    predictions], dim=1))
+
+    def compute(self) -> dict:
+        """Metrics over the whole split (collectives: call on every rank, the same number of
+        times, whatever the size of its shard)."""
+        width = 2 + (self.task.num_outputs if self.task.is_classification else 1)
+        mine = torch.cat(self.rows) if self.rows else torch.zeros(0, width, dtype=torch.float64)
+        return split_metrics(gather_rows(mine), self.task)
+
+
+def gather_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows, concatenated in rank order, on every rank (shards may differ in size:
+    they are padded to the largest for the all_gather and trimmed after)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return rows
+    world = dist.get_world_size()
+    counts = torch.zeros(world, dtype=torch.long, device=rows.device)
+    counts[dist.get_rank()] = len(rows)
+    dist.all_reduce(counts)
+    padded = rows.new_zeros(int(counts.max()), rows.shape[1])
+    padded[:len(rows)] = rows
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:count] for part, count in zip(parts, counts.tolist(), strict=True)])
+
+
+def split_metrics(rows: torch.Tensor, task: Task) -> dict:
+    """Plain values from the rows of a whole split. Scalars go in the top level; classification
+    adds `average_precision_per_class`, `confusion_matrix` and `pr_curves` (per class:
+    precision, recall, thresholds); `predictions` and `targets` hold the split's own."""
+    loss, targets, predictions = rows[:, 0], rows[:, 1], rows[:, 2:]
+    count = len(rows)
+    result = {"loss": (loss.sum() / max(count, 1)).item(), "num_samples": count}
     if task.is_classification:
-        n = task.num_outputs
-        metrics.update(
-            # Integer counts: accuracy is computed from them in float64 (trace / total).
-            confusion_matrix=MulticlassConfusionMatrix(n),
-            # thresholds=None keeps every prediction: exact curves, not binned approximations.
-            pr_curve=MulticlassPrecisionRecallCurve(n, thresholds=None),
-            average_precision=MulticlassAveragePrecision(n, average=None, thresholds=None),
-        )
-    else:
-        metrics.update(mae=MeanAbsoluteError().set_dtype(torch.float64),
-                       rmse=MeanSquaredError(squared=False).set_dtype(torch.float64))
-    # compute_groups: metrics with the same state (the PR curve and AP) share it and sync once.
-    return MetricCollection(metrics, compute_groups=True)
-
-
-def update_metrics(metrics, task: Task, outputs: torch.Tensor,
-                   targets: torch.Tensor) -> None:
-    per_sample_loss = task.loss(outputs.double(), targets if task.is_classification
-                                else targets.double(), reduction="none")
-    metrics["loss"].update(per_sample_loss)
-    metrics["num_samples"].update(float(targets.shape[0]))
-    preds, truth = task.predictions(outputs), task.originals(targets)
-    for name, metric in metrics.items():
-        if name not in ("loss", "num_samples"):
-            metric.update(preds, truth)
-
-
-def finish_metrics(metrics, task: Task) -> dict:
-    """Gather all ranks' states (collectives: call on every rank) and return plain values.
-
-    Scalars go in the top level; classification adds `average_precision_per_class`,
-    `confusion_matrix` and `pr_curves` (per class: precision, recall, thresholds).
-    """
-    values = metrics.compute()
-    result = {"loss": values["loss"].item(), "num_samples": int(values["num_samples"].item())}
-    if task.is_classification:
-        per_class = values["average_precision"].double()
-        precision, recall, thresholds = values["pr_curve"]
-        confusion = values["confusion_matrix"]
+        classes, labels = task.num_outputs, targets.long()
+        predicted = predictions.argmax(dim=1)
+        confusion = torch.bincount(labels * classes + predicted, minlength=classes * classes)
+        confusion = confusion.reshape(classes, classes)  # rows: true class, columns: predicted
+        curves = [precision_recall_curve(predictions[:, c], labels == c) for c in range(classes)]
+        per_class = [average_precision(precision, recall) for precision, recall, _ in curves]
         result.update(
-            accuracy=(confusion.trace().double() / confusion.sum().clamp(min=1)).item(),
-            average_precision_macro=per_class.mean().item(),
-            average_precision_per_class=per_class.tolist(),
+            accuracy=(confusion.trace().double() / max(count, 1)).item(),
+            average_precision_macro=sum(per_class) / classes,
+            average_precision_per_class=per_class,
             confusion_matrix=confusion.tolist(),
             pr_curves=[{"precision": p.tolist(), "recall": r.tolist(), "thresholds": t.tolist()}
-                       for p, r, t in zip(precision, recall, thresholds, strict=True)],
+                       for p, r, t in curves],
+            predictions=predictions, targets=labels,
         )
     else:
-        result.update(mae=values["mae"].item(), rmse=values["rmse"].item())
-    metrics.reset()
+        error = predictions[:, 0] - targets
+        result.update(mae=(error.abs().sum() / max(count, 1)).item(),
+                      rmse=(error.square().sum() / max(count, 1)).sqrt().item(),
+                      predictions=predictions[:, 0], targets=targets)
     return result
+
+
+def precision_recall_curve(scores: torch.Tensor, positive: torch.Tensor) -> tuple:
+    """The exact precision-recall curve of one class: every distinct score is a threshold.
+
+    Returns precision and recall (one more point than thresholds: precision 1 at recall 0) and
+    the thresholds in increasing order, the conventions of scikit-learn's precision_recall_curve.
+    """
+    order = torch.sort(scores, descending=True, stable=True).indices
+    scores, positive = scores[order], positive[order].double()
+    # The last position of each run of equal scores: a threshold takes all of its ties at once.
+    last_of_run = torch.cat([torch.nonzero(scores[1:] != scores[:-1]).flatten(),
+                             torch.tensor([len(scores) - 1], device=scores.device)])
+    true_pos = positive.cumsum(0)[last_of_run]
+    predicted_pos = (last_of_run + 1).double()
+    precision = true_pos / predicted_pos
+    recall = true_pos / true_pos[-1] if true_pos[-1] > 0 else torch.ones_like(true_pos)
+    one, zero = precision.new_ones(1), precision.new_zeros(1)
+    return (torch.cat([precision.flip(0), one]), torch.cat([recall.flip(0), zero]),
+            scores[last_of_run].flip(0))
+
+
+def average_precision(precision: torch.Tensor, recall: torch.Tensor) -> float:
+    """Area under the step-wise PR curve: sum over thresholds of precision x recall gained
+    (scikit-learn's average_precision_score; no interpolation)."""
+    return (-(recall[1:] - recall[:-1]) * precision[:-1]).sum().item()
 
 
 def scalars(result: dict) -> dict:

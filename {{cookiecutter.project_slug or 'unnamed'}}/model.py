@@ -4,11 +4,11 @@ To use your own network: write it as a plain `nn.Module`, add a builder to `MODE
 with `model.name=<key>`. The factory does the distributed part (device, SyncBatchNorm, DDP).
 """
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_autograd
 from omegaconf import DictConfig
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -16,10 +16,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from config import UserError
 from dist_utils import DistEnv
+from speed import Speed
 
 
 class MLP(nn.Module):
-    """A multi-layer perceptron classifier: [Linear -> (BatchNorm) -> ReLU -> Dropout] x n."""
+    """A multi-layer perceptron: [Linear -> (BatchNorm) -> ReLU -> Dropout] x n, then Linear.
+    Inputs of any shape are flattened per sample."""
 
     def __init__(self, in_features: int, num_classes: int, hidden_dim: int, num_layers: int,
                  dropout: float, batchnorm: bool):
@@ -37,15 +39,70 @@ class MLP(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.flatten(1))
+
+
+class CNN(nn.Module):
+    """A small convolutional network for images (channels x height x width): a 3x3 convolution,
+    then n more that each halve the resolution and double the channels, each followed by
+    (BatchNorm and) ReLU; global average pooling, dropout and a linear classifier."""
+
+    def __init__(self, in_channels: int, num_classes: int, channels: int, num_layers: int,
+                 dropout: float, batchnorm: bool):
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = in_channels
+        for index in range(num_layers + 1):
+            out = channels * 2 ** index
+            layers.append(nn.Conv2d(width, out, 3, stride=1 if index == 0 else 2, padding=1,
+                                    bias=not batchnorm))
+            if batchnorm:
+                layers.append(nn.BatchNorm2d(out))
+            layers.append(nn.ReLU())
+            width = out
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout),
+                   nn.Linear(width, num_classes)]
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 
-def build_mlp(cfg: DictConfig, in_features: int, num_classes: int) -> nn.Module:
-    return MLP(in_features, num_classes, cfg.hidden_dim, cfg.num_layers, cfg.dropout,
+def build_mlp(cfg: DictConfig, input_shape: tuple, num_classes: int) -> nn.Module:
+    return MLP(math.prod(input_shape), num_classes, cfg.hidden_dim, cfg.num_layers, cfg.dropout,
                cfg.batchnorm)
 
 
-MODELS: dict[str, Callable[[DictConfig, int, int], nn.Module]] = {"mlp": build_mlp}
+def build_cnn(cfg: DictConfig, input_shape: tuple, num_classes: int) -> nn.Module:
+    if len(input_shape) != 3:
+        raise UserError(f"model.name=cnn needs images (channels x height x width), but the data "
+                        f"has samples of shape {list(input_shape)}: use data.dataset=images or "
+                        "digits, or model.name=mlp")
+    return CNN(input_shape[0], num_classes, cfg.channels, cfg.num_layers, cfg.dropout,
+               cfg.batchnorm)
+
+
+# Builders take the model config, the shape of one input sample and the number of outputs.
+MODELS: dict[str, Callable[[DictConfig, tuple, int], nn.Module]] = {
+    "mlp": build_mlp, "cnn": build_cnn,
+}
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) that autograd can differentiate: every rank's output is the sum of all
+    inputs, so the gradient of each input is the sum of all ranks' output gradients."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        total = tensor.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        total = grad.clone()
+        dist.all_reduce(total)
+        return total
 
 
 class GlobalBatchNorm(_BatchNorm):
@@ -67,8 +124,8 @@ class GlobalBatchNorm(_BatchNorm):
         channels, dims = x.shape[1], [0, *range(2, x.dim())]
         wide = x.double()  # sums of squares in float64: no cancellation in E[x^2] - E[x]^2
         count = torch.full((1,), x.numel() // channels, dtype=torch.float64, device=x.device)
-        totals = dist_autograd.all_reduce(torch.cat([wide.sum(dims), (wide * wide).sum(dims),
-                                                     count]))
+        sums = torch.cat([wide.sum(dims), (wide * wide).sum(dims), count])
+        totals = _SumOverRanks.apply(sums)
         n = totals[-1]
         mean = totals[:channels] / n
         var = totals[channels: 2 * channels] / n - mean * mean
@@ -103,29 +160,34 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
     return module
 
 
-def build_model(cfg: DictConfig, in_features: int, num_classes: int) -> nn.Module:
+def build_model(cfg: DictConfig, input_shape: tuple, num_classes: int) -> nn.Module:
     """The bare model named by `model.name`, on the CPU: no device, no wrapping."""
     if cfg.name not in MODELS:
         raise UserError(f"model.name={cfg.name} is not a model: choose one of {', '.join(MODELS)}")
-    return MODELS[cfg.name](cfg, in_features, num_classes)
+    return MODELS[cfg.name](cfg, tuple(input_shape), num_classes)
 
 
-def wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv,
-               device: torch.device) -> nn.Module:
-    """Move the model to this rank's device and wrap it in DDP when there is a process group."""
+def wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv, device: torch.device,
+               speed: Speed) -> nn.Module:
+    """Move the model to this rank's device, wrap it in DDP when there is a process group, and
+    compile it when asked (DDP first, so the compiler sees DDP's gradient buckets)."""
     if cfg.model.sync_batchnorm and env.world_size > 1:
         model = convert_sync_batchnorm(model, device)
-    model = model.to(device)
-    if not env.launched:
-        return model
-    return DistributedDataParallel(
-        model,
-        # One process per GPU: the module lives on exactly this rank's device. CPU: none.
-        device_ids=[device.index] if device.type == "cuda" else None,
-        find_unused_parameters=cfg.ddp.find_unused_parameters,
-        static_graph=cfg.ddp.static_graph,
-        gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
-    )
+    model = model.to(device, memory_format=torch.channels_last if speed.channels_last
+                     else torch.preserve_format)
+    if env.launched:
+        model = DistributedDataParallel(
+            model,
+            # One process per GPU: the module lives on exactly this rank's device. CPU: none.
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=cfg.ddp.find_unused_parameters,
+            static_graph=cfg.ddp.static_graph,
+            gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
+        )
+    if speed.compile:
+        model = torch.compile(model, mode=None if speed.compile_mode == "default"
+                              else speed.compile_mode)
+    return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -28,6 +28,7 @@ from data import DataModule
 from evaluate import evaluate_split, find_checkpoint, restore_model_weights
 from metrics import Task, scalars
 from model import build_model, unwrap, wrap_model
+from speed import FLOAT32, Speed, build_optimizer, describe, grad_scaler, resolve_speed
 
 log = logging.getLogger("ddp")
 
@@ -108,8 +109,12 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
-               task: Task, device: torch.device) -> torch.Tensor:
-    """One optimizer step over this rank's micro-batches; returns [loss sum, correct, samples].
+               task: Task, device: torch.device, speed: Speed = FLOAT32,
+               scaler: torch.amp.GradScaler | None = None,
+               grad_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step over this rank's micro-batches. Returns [loss sum, correct, samples]
+    and the gradient norm before clipping (None without clipping), both left on the device:
+    reading them would make the CPU wait for the GPU.
 
     With several micro-batches (gradient accumulation) the gradients are all-reduced once, on
     the last one: the others run forward *and* backward inside no_sync(), since DDP decides in
@@ -119,23 +124,35 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     stats = torch.zeros(3, dtype=torch.float64, device=device)
     optimizer.zero_grad(set_to_none=True)
     for index, (inputs, targets) in enumerate(micro_batches):
-        inputs = inputs.to(device, non_blocking=True)
+        inputs = speed.inputs(inputs.to(device, non_blocking=True))
         targets = targets.to(device, non_blocking=True)
         last = index == len(micro_batches) - 1
         skip_sync = not last and hasattr(model, "no_sync")
         with model.no_sync() if skip_sync else contextlib.nullcontext():
-            outputs = model(inputs)
-            # Sum over the micro-batch / samples of the whole step: the accumulated gradient is
-            # that of the mean over the step's batch, as without accumulation.
-            loss = task.loss(outputs, targets, reduction="sum") / samples
-            loss.backward()  # on the last micro-batch DDP averages the gradients over ranks
+            with speed.autocast(device):
+                outputs = model(inputs)
+                # Sum over the micro-batch / samples of the whole step: the accumulated gradient
+                # is that of the mean over the step's batch, as without accumulation.
+                loss = task.loss(outputs, targets, reduction="sum") / samples
+            # On the last micro-batch DDP averages the gradients over ranks.
+            (scaler.scale(loss) if scaler else loss).backward()
         with torch.no_grad():
             stats[0] += loss.detach().double() * samples
             if task.is_classification:
                 stats[1] += task.correct(outputs, targets)
-    optimizer.step()
+    grad_norm = None
+    if grad_clip:
+        if scaler:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
+        # The gradients are already averaged over ranks, so every rank computes the same norm.
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if scaler:
+        scaler.step(optimizer)  # skipped if fp16 overflowed; the scale then shrinks
+        scaler.update()
+    else:
+        optimizer.step()
     stats[2] += samples
-    return stats
+    return stats, grad_norm
 
 
 def main(argv: list[str]) -> None:
@@ -148,7 +165,8 @@ def main(argv: list[str]) -> None:
     with dist_utils.agree_on_errors():  # bad input stops every rank together, reported once
         torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP syncs them too)
         data = DataModule(cfg, env, device)
-        model = build_model(cfg.model, data.num_features, data.task.num_outputs)
+        model = build_model(cfg.model, data.input_shape, data.task.num_outputs)
+        speed = resolve_speed(cfg, device, data.input_shape)
         run_dir = create_run_dir(cfg, env)
     run_dir = Path(dist_utils.broadcast_object(str(run_dir) if env.is_main else None))
     # Per-rank seed from here on: dropout masks differ between ranks, as they would between
@@ -164,9 +182,9 @@ def main(argv: list[str]) -> None:
         state = dist_utils.load_checkpoint(resume_from) if resume_from else None
         if state:  # into the bare model, before DDP copies rank 0's weights to every rank
             restore_model_weights(model, state, resume_from)
-    model = wrap_model(model, cfg, env, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
-                                  weight_decay=cfg.optim.weight_decay)
+    model = wrap_model(model, cfg, env, device, speed)
+    optimizer = build_optimizer(model, cfg, speed)
+    scaler = grad_scaler(speed, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, cfg.optim.warmup_steps, total_steps, cfg.optim.schedule))
     step, epoch, step_in_epoch = 0, 0, 0
@@ -175,6 +193,8 @@ def main(argv: list[str]) -> None:
             try:
                 optimizer.load_state_dict(state["optimizer"])
                 scheduler.load_state_dict(state["scheduler"])
+                if scaler and state.get("scaler"):
+                    scaler.load_state_dict(state["scaler"])
                 step, epoch, step_in_epoch = (int(state[k]) for k in
                                               ("step", "epoch", "step_in_epoch"))
             except (KeyError, ValueError, TypeError) as error:
@@ -189,20 +209,27 @@ def main(argv: list[str]) -> None:
         log.info("resumed from %s: step %d, epoch %d, %d step(s) into it", resume_from, step,
                  epoch + 1, step_in_epoch)
 
-    writer = None
+    first_step = step
     if env.is_main:
-        from torch.utils.tensorboard import SummaryWriter  # imported by the writing rank only
-
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         if state:  # what comes after the checkpoint will be logged again
             truncate_log(run_dir / "train_log.jsonl", lambda record: record["step"] <= step)
             truncate_log(run_dir / "metrics.jsonl", lambda record: record["step"] < step)
-        # purge_step: TensorBoard hides events a previous attempt logged after the checkpoint.
-        writer = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=step + 1 if state else None)
+    tensorboard = []  # rank 0's SummaryWriter, made at the first record: not before step 1
+
+    def writer():
+        if env.is_main and not tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # imported by rank 0 only
+
+            # purge_step: TensorBoard hides what a previous attempt logged after the checkpoint.
+            tensorboard.append(SummaryWriter(log_dir=str(run_dir / "tb"),
+                                             purge_step=first_step + 1 if state else None))
+        return tensorboard[0] if tensorboard else None
+
     log.info("run folder: %s", run_dir)
-    log.info("%d process(es) on %s, backend %s | %s, %d outputs | %d steps per epoch, %d steps",
-             env.world_size, device, dist_utils.backend_name(), task.kind, task.num_outputs,
-             data.steps_per_epoch, total_steps)
+    log.info("%d process(es) on %s, backend %s, %s | %s, %d outputs | %d steps per epoch, "
+             "%d steps", env.world_size, device, dist_utils.backend_name(), describe(speed),
+             task.kind, task.num_outputs, data.steps_per_epoch, total_steps)
     log.info("effective global batch %d = %d per micro-batch x %d process(es) x %d "
              "accumulation step(s)", data.micro_batch_size * env.world_size
              * cfg.train.grad_accum_steps, data.micro_batch_size, env.world_size,
@@ -216,7 +243,7 @@ def main(argv: list[str]) -> None:
             "model": dist_utils.clean_state_dict(unwrap(model).state_dict()),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
-            "scaler": None,  # mixed-precision loss scaler state, when one is used
+            "scaler": scaler.state_dict() if scaler else None,  # fp16 loss scaling
             "step": step,
             "epoch": epoch,
             "step_in_epoch": step_in_epoch,
@@ -233,6 +260,7 @@ def main(argv: list[str]) -> None:
     window = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
     window_start = time.perf_counter()
     epoch_totals = [0.0, 0.0, 0.0]
+    grad_norm = None
 
     def flush_window() -> None:
         nonlocal window_start
@@ -240,6 +268,7 @@ def main(argv: list[str]) -> None:
         window.zero_()
         if count == 0:
             return
+        now = time.time()
         elapsed = time.perf_counter() - window_start
         window_start = time.perf_counter()
         for i, value in enumerate((loss_sum, correct, count)):
@@ -248,12 +277,18 @@ def main(argv: list[str]) -> None:
                   "samples_per_s": count / elapsed}
         if task.is_classification:
             record["accuracy"] = correct / count
-        if writer:
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm.item()  # before clipping; the same on every rank
+        if not math.isfinite(record["loss"]):  # the same all-reduced value on every rank
+            raise UserError(
+                f"training diverged: the loss is {record['loss']} at step {step}; lower optim.lr"
+                ", set optim.grad_clip (e.g. 1.0) or use speed.precision=bf16 or fp32")
+        if env.is_main:
             for name, value in record.items():
                 if name != "step":
-                    writer.add_scalar(f"train/{name}", value, step)
+                    writer().add_scalar(f"train/{name}", value, step)
             with open(run_dir / "train_log.jsonl", "a") as handle:
-                handle.write(json.dumps(record) + "\n")
+                handle.write(json.dumps({**record, "time": now}) + "\n")
         bar.set_postfix(loss=f"{record['loss']:.4f}")
 
     while epoch < cfg.train.epochs and step < total_steps:
@@ -262,13 +297,17 @@ def main(argv: list[str]) -> None:
         show_bar = env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
         bar = tqdm(total=data.steps_per_epoch, initial=step_in_epoch, leave=False,
                    desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not show_bar)
+        epoch_start = time.perf_counter()
         for micro_batches in data.train_steps(epoch, skip_steps=step_in_epoch):
-            window += train_step(model, optimizer, micro_batches, task, device)
+            stats, grad_norm = train_step(model, optimizer, micro_batches, task, device, speed,
+                                          scaler, cfg.optim.grad_clip)
+            window += stats
             scheduler.step()
             step += 1
             step_in_epoch += 1
             bar.update()
-            if step % cfg.train.log_every == 0:
+            # The first step is logged too: it shows when training really started.
+            if step % cfg.train.log_every == 0 or step == first_step + 1:
                 flush_window()
             if cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0:
                 save()
@@ -280,16 +319,18 @@ def main(argv: list[str]) -> None:
 
         loss_sum, correct, count = epoch_totals
         # Validation: the exact path of evaluate.py, on the unwrapped model.
-        val = scalars(evaluate_split(unwrap(model), data.eval_loader("val"), device, task))
-        record = {"epoch": epoch + 1, "step": step}
+        val = scalars(evaluate_split(unwrap(model), data.eval_loader("val"), device, task,
+                                     speed))
+        record = {"epoch": epoch + 1, "step": step,
+                  "epoch_seconds": time.perf_counter() - epoch_start}
         if count:
             record["train_loss"] = loss_sum / count
             if task.is_classification:
                 record["train_accuracy"] = correct / count
         record.update({f"val_{name}": value for name, value in val.items()})
-        if writer:
+        if env.is_main:
             for name, value in val.items():
-                writer.add_scalar(f"val/{name}", value, step)
+                writer().add_scalar(f"val/{name}", value, step)
             with open(run_dir / "metrics.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
         log.info("epoch %3d/%d  step %5d  %s", epoch + 1, cfg.train.epochs, step, "  ".join(
@@ -299,8 +340,8 @@ def main(argv: list[str]) -> None:
 
     if last_saved != step:
         save()
-    if writer:
-        writer.close()
+    if tensorboard:
+        tensorboard[0].close()
     log.info("done: checkpoints in %s, TensorBoard logs in %s", run_dir / "checkpoints",
              run_dir / "tb")
     log.info("evaluate with: ./run.sh evaluate.py eval.checkpoint=%s", run_dir)

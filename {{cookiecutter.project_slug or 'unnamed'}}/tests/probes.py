@@ -8,17 +8,22 @@ Usage: torchrun --nproc_per_node=N tests/probes.py PROBE OUT_DIR key=value...
                  padding DistributedSampler, for the same (freshly initialised) model
   allreduce      OUT_DIR/allreduce.json: gradient all-reduces counted by a DDP communication
                  hook over a few optimizer steps of train.train_step
+  workers        OUT_DIR/workers.json: whether loaders with data.num_workers worker processes
+                 give the batches of in-process loading, and each worker's random state
 """
 
 import json
+import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, get_worker_info  # noqa
 
 import dist_utils  # noqa: E402
 from config import load_config  # noqa: E402
@@ -26,6 +31,7 @@ from data import DataModule  # noqa: E402
 from evaluate import evaluate_split  # noqa: E402
 from metrics import scalars  # noqa: E402
 from model import build_model, wrap_model  # noqa: E402
+from speed import FLOAT32  # noqa: E402
 from train import train_step  # noqa: E402
 
 
@@ -46,7 +52,7 @@ def shards(cfg, env, data, out_dir: Path) -> None:
 
 def padding_bias(cfg, env, data, out_dir: Path) -> None:
     torch.manual_seed(0)
-    model = build_model(cfg.model, data.num_features, data.task.num_outputs)
+    model = build_model(cfg.model, data.input_shape, data.task.num_outputs)
     device = torch.device("cpu")
     exact = evaluate_split(model, data.eval_loader("test"), device, data.task)
     # What many templates do: DistributedSampler for evaluation. It pads the split with repeated
@@ -62,8 +68,8 @@ def padding_bias(cfg, env, data, out_dir: Path) -> None:
 
 def allreduce(cfg, env, data, out_dir: Path) -> None:
     torch.manual_seed(cfg.run.seed)
-    model = wrap_model(build_model(cfg.model, data.num_features, data.task.num_outputs), cfg,
-                       env, torch.device("cpu"))
+    model = wrap_model(build_model(cfg.model, data.input_shape, data.task.num_outputs), cfg,
+                       env, torch.device("cpu"), FLOAT32)
     calls = [0]
 
     def counting_allreduce(state, bucket):
@@ -82,7 +88,41 @@ def allreduce(cfg, env, data, out_dir: Path) -> None:
         (out_dir / "allreduce.json").write_text(json.dumps(report))
 
 
-PROBES = {"shards": shards, "padding-bias": padding_bias, "allreduce": allreduce}
+class RandomStateProbe(TensorDataset):
+    """With each batch, the worker that read it, its seed and a draw of each random generator."""
+
+    def __getitem__(self, index):
+        info = get_worker_info()
+        state = [info.id, info.seed, torch.randint(2**62, ()).item(),
+                 int(np.random.randint(2**62)), random.getrandbits(62)]
+        return (*super().__getitem__(index), state)
+
+
+def workers(cfg, env, data, out_dir: Path) -> None:
+    in_process = DataModule(OmegaConf.merge(cfg, {"data": {"num_workers": 0}}), env, data.device)
+    same = all(
+        all(torch.equal(a, b) for a, b in zip(batch, reference, strict=True))
+        for epoch in range(2)
+        for batch, reference in zip(data.train_batches(epoch), in_process.train_batches(epoch),
+                                    strict=True)
+    ) and all(
+        torch.equal(batch[0], reference[0]) for batch, reference in
+        zip(data.eval_loader("val"), in_process.eval_loader("val"), strict=True)
+    )
+    probe = RandomStateProbe(*data.datasets["train"].tensors)
+    loader = data._loader(probe, data.micro_batch_size, data.train_sampler)
+    data.train_sampler.set_epoch(0)
+    first_draws = {}  # worker id -> the state its first batch reported
+    for _, _, state in loader:
+        first_draws.setdefault(state[0], state)
+    everyone = dist_utils.gather_objects({"same_batches": same,
+                                          "first_draws": list(first_draws.values())})
+    if env.is_main:
+        (out_dir / "workers.json").write_text(json.dumps(everyone))
+
+
+PROBES = {"shards": shards, "padding-bias": padding_bias, "allreduce": allreduce,
+          "workers": workers}
 
 
 def main(argv: list[str]) -> None:

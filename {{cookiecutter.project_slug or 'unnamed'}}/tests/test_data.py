@@ -31,7 +31,8 @@ def test_splits_are_fixed_and_batch_is_divided():
 def test_digits_is_the_default_dataset():
     data = DataModule(load_config([]), DistEnv(0, 0, 1, False), torch.device("cpu"))
     assert sum(len(d) for d in data.datasets.values()) == 1797  # scikit-learn's digits
-    assert (data.num_features, data.task.kind, data.task.num_outputs) == (64, "classification", 10)
+    assert (data.input_shape, data.task.kind, data.task.num_outputs) == ((1, 8, 8),
+                                                                         "classification", 10)
 
 
 def test_diabetes_is_regression_in_the_original_units():

@@ -168,23 +168,31 @@ def test_gradient_allreduce_runs_once_per_optimizer_step(tmp_path, accum):
     assert report["allreduce_calls"] == report["steps"]
 
 
-def check_equivalence(*args: str):
-    return run([sys.executable, "check_equivalence.py", "--steps", "8", *args, *TINY])
+@pytest.fixture(scope="module")
+def equivalence_dir(tmp_path_factory):
+    """One folder for all equivalence checks: candidates of one config share its 1-process run."""
+    return tmp_path_factory.mktemp("equivalence")
+
+
+def check_equivalence(workdir, *args: str):
+    return run([sys.executable, "check_equivalence.py", "--steps", "8", "--workdir",
+                str(workdir), *args, *TINY])
 
 
 @pytest.mark.parametrize(("nproc", "accum"), [(2, 1), (1, 2), (2, 2)])
-def test_equivalence_check_passes_for_the_default_model(nproc, accum):
-    result = check_equivalence("--nproc", str(nproc), "--accum", str(accum))
+def test_equivalence_check_passes_for_the_default_model(equivalence_dir, nproc, accum):
+    result = check_equivalence(equivalence_dir, "--nproc", str(nproc), "--accum", str(accum))
     assert result.returncode == 0, result.stdout
     assert f"PASS: {nproc} process(es) x {accum} accumulation step(s)" in result.stdout
 
 
-def test_equivalence_check_catches_plain_batchnorm():
-    plain = check_equivalence("model.batchnorm=true")
+def test_equivalence_check_catches_plain_batchnorm(equivalence_dir):
+    plain = check_equivalence(equivalence_dir, "model.batchnorm=true")
     assert plain.returncode == 1, plain.stdout
     assert "FAIL: the loss differs from step 1" in plain.stdout
     assert "model.sync_batchnorm=true" in plain.stdout
-    synced = check_equivalence("model.batchnorm=true", "model.sync_batchnorm=true")
+    synced = check_equivalence(equivalence_dir, "model.batchnorm=true",
+                               "model.sync_batchnorm=true")
     assert synced.returncode == 0, synced.stdout
 
 

@@ -1,0 +1,76 @@
+"""The GPU half of the benchmark (run by bench/gpu.sh on a CUDA machine): images per second of
+the compute-bound CNN workload, one process per GPU, in three configurations:
+
+  handwritten fp32     bench/handwritten.py: float32, no speed settings (the seed's style)
+  template defaults    baked train.py: bf16 autocast, channels_last, fused AdamW, TF32
+  template + compile   the same with speed.compile=true
+
+Throughput is the median over the epochs after the first (training steps only: for the
+template, the samples_per_s of its logged windows).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=50_000, help="synthetic 3x32x32 images")
+    parser.add_argument("--batch", type=int, default=512, help="global batch size")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=bench.BENCH / "results")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: bench/gpu.sh needs a CUDA GPU; on CPU use bash bench/run.sh",
+              file=sys.stderr)
+        return 2
+    bench.NPROC = torch.cuda.device_count()
+    gpu = torch.cuda.get_device_name(0)
+    data = [f"data.synthetic_samples={args.samples}", f"train.global_batch_size={args.batch}",
+            f"train.epochs={args.epochs}", "model.name=cnn", "data.dataset=images",
+            "train.progress_bar=false", "train.log_every=20"]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="ddp-gpu-bench-") as tmp:
+        scratch = Path(tmp)
+        project = bench.bake(scratch / "baked")
+        log = scratch / "handwritten.log"
+        bench.run_measured(bench.torchrun(
+            str(bench.BENCH / "handwritten.py"), "--workload", "cnn", "--epochs",
+            str(args.epochs), "--samples", str(args.samples), "--batch-size", str(args.batch)),
+            bench.BENCH, log)
+        epochs = [r for r in bench.json_lines(log) if "epoch" in r]
+        results["handwritten fp32"] = statistics.median(e["images_per_s"] for e in epochs[1:])
+        for name, extra in (("template defaults", []),
+                            ("template + compile", ["speed.compile=true"])):
+            run_dir = scratch / name.replace(" ", "-")
+            bench.run_measured(bench.torchrun("train.py", f"run.dir={run_dir}", *data, *extra),
+                               project, scratch / f"{run_dir.name}.log")
+            per_epoch = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+            later = [r["samples_per_s"] for r in bench.json_lines(run_dir / "train_log.jsonl")
+                     if r["step"] > per_epoch["step"]]
+            results[name] = statistics.median(later)
+    base = results["handwritten fp32"]
+    lines = [(f"{gpu} x {bench.NPROC}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
+             f"{args.samples} images, global batch {args.batch}, {args.epochs} epochs."), "",
+             "| configuration | images / s | vs handwritten fp32 |", "|---|---:|---:|"]
+    lines += [f"| {name} | {value:,.0f} | {value / base:.2f} |" for name, value in results.items()]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu.md").write_text("\n".join(lines) + "\n")
+    (args.out / "gpu.json").write_text(json.dumps({"gpu": gpu, "gpus": bench.NPROC,
+                                                   "images_per_s": results}, indent=1) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

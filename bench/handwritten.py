@@ -1,0 +1,137 @@
+"""The baseline of the benchmark: the DDP training script a user would write by hand from the
+blog post the template grew from (torchrun, LOCAL_RANK, DistributedSampler, DDP), written
+plainly and correctly (set_epoch included), with nothing from the template.
+
+    torchrun --nproc_per_node=2 bench/handwritten.py --workload tiny --epochs 12
+
+Same model, data sizes, per-rank batch, optimizer and epochs as the baked project's defaults
+(tiny: digits MLP) or its `model.name=cnn data.dataset=images` (cnn). Like the post, it
+validates on rank 0 only. Rank 0 prints one JSON line per event for bench.py to read:
+{"first_step": unix time}, {"epoch": n, "seconds": s, "loss": l, "images_per_s": r}.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def digits():
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    x_rest, _, y_rest, _ = train_test_split(x, y, test_size=0.2, stratify=y, random_state=0)
+    x_train, x_val, y_train, y_val = train_test_split(x_rest, y_rest, test_size=0.15 / 0.8,
+                                                      stratify=y_rest, random_state=0)
+    return (x_train, y_train), (x_val, y_val)
+
+
+def random_images(n=2000, classes=4, size=32):
+    # Noisy copies of one random low-resolution pattern per class, as the baked `images` set.
+    rng = np.random.default_rng(0)
+    label = rng.integers(0, classes, n)
+    pattern = rng.standard_normal((classes, 3, 4, 4))
+    pattern = np.kron(pattern, np.ones((1, 1, size // 4, size // 4)))
+    x = (0.5 * pattern[label] + rng.standard_normal((n, 3, size, size))).astype(np.float32)
+    n_test = int(np.ceil(0.2 * n))
+    n_val = int(np.ceil(0.15 / 0.8 * (n - n_test)))
+    return (x[n_test + n_val:], label[n_test + n_val:]), (x[n_test:n_test + n_val],
+                                                          label[n_test:n_test + n_val])
+
+
+def mlp():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.1),
+                         nn.Linear(256, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 10))
+
+
+def cnn():
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.1), nn.Linear(128, 4),
+    )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", choices=["tiny", "cnn"], default="tiny")
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--batch-size", type=int, default=64, help="global, over all ranks")
+    parser.add_argument("--lr", type=float, default=0.002)
+    parser.add_argument("--samples", type=int, default=2000, help="cnn: synthetic images")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+
+    torch.manual_seed(0)
+    (x_train, y_train), (x_val, y_val) = (digits() if args.workload == "tiny"
+                                          else random_images(args.samples))
+    train_set = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
+    val_set = TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val))
+    sampler = DistributedSampler(train_set, shuffle=True, seed=0)
+    loader = DataLoader(train_set, batch_size=args.batch_size // world_size, sampler=sampler,
+                        pin_memory=device.type == "cuda")
+    val_loader = DataLoader(val_set, batch_size=256)
+
+    model = (mlp() if args.workload == "tiny" else cnn()).to(device)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+
+    first_step_done = False
+    for epoch in range(args.epochs):
+        start = time.perf_counter()
+        model.train()
+        sampler.set_epoch(epoch)
+        seen = 0
+        for step, (x, y) in enumerate(loader):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            seen += len(y) * world_size
+            if not first_step_done:
+                first_step_done = True
+                if rank == 0:
+                    print(json.dumps({"first_step": time.time()}), flush=True)
+            if step % 10 == 0 and rank == 0:
+                print(f"epoch {epoch} step {step} loss {loss.item():.4f}", flush=True)
+        train_seconds = time.perf_counter() - start
+        if rank == 0:  # validation on one process, as in the post
+            model.eval()
+            correct = 0
+            with torch.no_grad():
+                for x, y in val_loader:
+                    correct += (model.module(x.to(device)).argmax(1) == y.to(device)).sum().item()
+        dist.barrier()
+        if rank == 0:
+            print(json.dumps({"epoch": epoch + 1, "seconds": time.perf_counter() - start,
+                              "loss": loss.item(), "val_accuracy": correct / len(val_set),
+                              "images_per_s": seen / train_seconds}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

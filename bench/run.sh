@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The benchmark, one command: set up .venv (as scripts/setup.sh does), add the bench extras
+# (PyTorch Lightning; skip them with BENCH_LIGHTNING=0), then run bench/bench.py with any
+# arguments given here, e.g.  bash bench/run.sh --pairs 7 --workloads tiny
+# Results: bench/results/results.md and results.json. Takes about 10 minutes on 2 cores.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/setup.sh"
+if [[ "${BENCH_LIGHTNING:-1}" != 0 ]]; then
+  "$root/.venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    -r "$root/bench/requirements.txt"
+fi
+exec "$root/.venv/bin/python" "$root/bench/bench.py" "$@"

@@ -1,0 +1,106 @@
+"""Speed settings and the data path: each setting trains on the CPU, none changes the batches."""
+
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from config import load_config
+from conftest import TINY, TINY_SPLIT, only_run_dir, torchrun
+from data import DataModule
+from dist_utils import DistEnv, load_checkpoint
+from model import build_model
+from speed import FLOAT32, Speed, grad_scaler
+from train import train_step
+
+IMAGES = ["data.dataset=images", "data.image_size=12", "model.name=cnn", "model.channels=8",
+          "model.num_layers=1"]
+STEPS_PER_EPOCH = TINY_SPLIT["train"] // 12  # TINY's global batch
+
+
+def test_whole_batch_indexing_gives_the_samplers_batches():
+    cfg = load_config(TINY)
+    data = DataModule(cfg, DistEnv(1, 1, 3, True), torch.device("cpu"))
+    assert data.train_loader.batch_size is None  # the fast path: one dataset[indices] a batch
+    data.train_sampler.set_epoch(2)
+    # What a DataLoader does by default: dataset[i] for each sample, then stack them.
+    per_sample = list(DataLoader(data.datasets["train"], batch_size=data.micro_batch_size,
+                                 sampler=data.train_sampler))
+    fast = list(data.train_batches(2))
+    assert len(fast) == len(per_sample) == data.steps_per_epoch
+    for batch, reference in zip(fast, per_sample, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(batch, reference, strict=True))
+    shard = data.eval_loader("test").sampler.sampler  # this rank's block of the test split
+    inputs = torch.cat([x for x, _ in data.eval_loader("test")])
+    assert torch.equal(inputs, data.datasets["test"].tensors[0][shard.start:shard.end])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_precision_step_clips_the_unscaled_gradients(dtype):
+    cfg = load_config([*TINY, "optim.grad_clip=0.01"])
+    data = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
+    batches = next(data.train_steps(0))
+
+    def one_step(speed: Speed, clip: float):
+        torch.manual_seed(0)
+        model = build_model(cfg.model, data.input_shape, data.task.num_outputs)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # keep the weights
+        scaler = grad_scaler(speed, torch.device("cpu"))
+        stats, norm = train_step(model, optimizer, batches, data.task, torch.device("cpu"),
+                                 speed, scaler, clip)
+        clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        return stats, norm, clipped, scaler
+
+    _, exact_norm, _, _ = one_step(FLOAT32, 1e9)
+    speed = Speed(dtype, channels_last=False, compile=False, compile_mode="default",
+                  fused_adamw=False)
+    stats, norm, clipped, scaler = one_step(speed, 0.01)
+    assert (scaler is not None) == (dtype == torch.float16)  # loss scaling for fp16 only
+    assert math.isfinite(stats[0].item())
+    # The norm is that of the true gradients (unscaled: a scaled one would be ~65536x) ...
+    assert norm.item() == pytest.approx(exact_norm.item(), rel=0.05)
+    assert norm.item() > 0.01
+    assert clipped.item() == pytest.approx(0.01, rel=1e-3)  # ... and clipped to optim.grad_clip
+
+
+@pytest.mark.parametrize(
+    ("settings", "shown"),
+    [
+        ([*IMAGES, "speed.precision=bf16", "speed.channels_last=true", "speed.fused_adamw=true",
+          "speed.tf32=true", "optim.grad_clip=0.5", "model.batchnorm=true",
+          "model.sync_batchnorm=true"], "precision bf16, channels_last, fused AdamW"),
+        (["speed.precision=fp16", "optim.grad_clip=0.5", "speed.fused_adamw=false"],
+         "precision fp16"),
+        (["speed.compile=true", "train.grad_accum_steps=2"],
+         "precision fp32, torch.compile (default), fused AdamW"),
+    ],
+    ids=["cnn-bf16-channels_last-fused-clip", "fp16-scaler-clip", "compile-accum"],
+)
+def test_speed_setting_trains_with_a_finite_loss(tmp_path, settings, shown):
+    result = torchrun(2, "train.py", *TINY, f"run.output_dir={tmp_path}", "train.epochs=2",
+                      "train.log_every=2", *settings)
+    assert result.returncode == 0, result.stdout
+    assert f"2 process(es) on cpu, backend gloo, {shown} |" in result.stdout
+    run_dir = only_run_dir(tmp_path)
+    records = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 2 * STEPS_PER_EPOCH
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]  # it learns
+    clipping = "optim.grad_clip=0.5" in settings
+    assert all(("grad_norm" in r) == clipping for r in records)
+    state = load_checkpoint(run_dir / "checkpoints" / f"step-{records[-1]['step']:08d}.pt")
+    assert (state["scaler"] is not None) == ("speed.precision=fp16" in settings)
+    assert not any(key.startswith(("module.", "_orig_mod.")) for key in state["model"])
+
+
+def test_dataloader_workers_under_ddp(tmp_path):
+    result = torchrun(2, "tests/probes.py", "workers", str(tmp_path), *TINY, "data.num_workers=2")
+    assert result.returncode == 0, result.stdout
+    ranks = json.loads((tmp_path / "workers.json").read_text())
+    assert all(rank["same_batches"] for rank in ranks)  # workers change nothing in the batches
+    draws = [draw for rank in ranks for draw in rank["first_draws"]]
+    assert len(draws) == 4  # 2 ranks x 2 workers, each with its own seed and random streams
+    for column in range(1, 5):  # seed, torch, numpy, random
+        assert len({draw[column] for draw in draws}) == 4
