@@ -1,7 +1,7 @@
 """Benchmark: the baked project's train.py against a hand-written DDP loop (and Lightning).
 
     bash bench/run.sh                       # set up, then everything below with the defaults
-    python bench/bench.py --pairs 5 --workloads tiny,cnn
+    python bench/bench.py --pairs 7 --workloads tiny,cnn
 
 It bakes the template with its default answers, then for each workload runs the contenders
 one after another in rounds (A B C, A B C, ...: a warm-up round, then --pairs measured ones),
@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 WORKLOADS = {
-    "tiny": {"overrides": [], "epochs": 30,
+    "tiny": {"overrides": [], "epochs": 40,
              "what": "digits MLP (1797 8x8 images, 64-256-256-10), global batch 64"},
     "cnn": {"overrides": ["model.name=cnn", "data.dataset=images"], "epochs": 5,
             "what": "3-layer CNN on 2000 synthetic 3x32x32 images, global batch 64"},
@@ -65,7 +65,9 @@ def run_measured(command: list[str], cwd: Path, log: Path) -> tuple[float, float
         _, status, usage = os.wait4(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
-        raise SystemExit(f"error: {' '.join(command)} failed; its output is in {log}")
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise SystemExit(f"{tail}\nerror: {' '.join(command)} failed (exit status "
+                         f"{process.returncode}); the end of its output is above")
     return launched, usage.ru_maxrss / 1024
 
 
@@ -138,7 +140,7 @@ def table(results: dict, contenders: list[str]) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pairs", type=int, default=5, help="measured rounds after a warm-up")
+    parser.add_argument("--pairs", type=int, default=7, help="measured rounds after a warm-up")
     parser.add_argument("--workloads", default="tiny,cnn", help="comma-separated: tiny,cnn")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     args = parser.parse_args(argv)

@@ -76,7 +76,7 @@ class TrainConfig:
     global_batch_size: int = 64  # summed over all processes; each rank takes 1/world_size of it
     grad_accum_steps: int = 1  # micro-batches per optimizer step (each rank: batch / this)
     max_steps: int = 0  # stop after this many optimizer steps; 0: run all epochs
-    log_every: int = 10  # steps between logged (and cross-rank reduced) training scalars
+    log_every: int = 50  # steps between logged (and cross-rank reduced) training scalars
     ckpt_every: int = 200  # steps between checkpoints; 0 saves only at the end
     keep_checkpoints: int = 3  # keep the newest k checkpoints of a run; 0 keeps all
     resume: str = "auto"  # auto (latest checkpoint of this run, if any) | never | <file or run>

@@ -173,8 +173,14 @@ class EvalShardSampler(Sampler[int]):
     """
 
     def __init__(self, dataset_len: int, num_replicas: int, rank: int):
+        self.dataset_len, self.num_replicas = dataset_len, num_replicas
         self.start = rank * dataset_len // num_replicas
         self.end = (rank + 1) * dataset_len // num_replicas
+
+    def block_sizes(self) -> list[int]:
+        """The size of every rank's block: known to each rank without asking the others."""
+        n, world = self.dataset_len, self.num_replicas
+        return [(r + 1) * n // world - r * n // world for r in range(world)]
 
     def __iter__(self):
         return iter(range(self.start, self.end))

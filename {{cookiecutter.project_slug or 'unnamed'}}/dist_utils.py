@@ -8,6 +8,7 @@ needs an `if distributed:` of its own.
 
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import pickle
@@ -114,6 +115,14 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def all_reduce_sum_async(tensor: torch.Tensor):
+    """Start summing a tensor over all ranks, in place; returns a handle to wait() on (None
+    without a process group, where the sum is the tensor itself)."""
+    if dist.is_initialized():
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+    return None
 
 
 def gather_objects(obj) -> list:
@@ -241,6 +250,11 @@ def run_main(main: Callable[[list[str]], None]) -> None:
         sys.stderr.flush()
         # No destroy_process_group: with a peer gone it could wait for that peer forever.
         os._exit(1)
+    # Free objects kept alive only by reference cycles (a DDP model often is) while the
+    # interpreter and the process group are still whole: freed during interpreter shutdown
+    # instead, a DDP model with a Python communication hook can abort the process (SIGABRT,
+    # "terminate called without an active exception"), which torchrun takes for a failure.
+    gc.collect()
     cleanup()
 
 

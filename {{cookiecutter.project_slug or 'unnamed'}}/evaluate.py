@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from omegaconf import DictConfig
+from torch.utils.data import BatchSampler
 
 import dist_utils
 from config import UserError, config_from_dict, load_config
-from data import DataModule
+from data import DataModule, EvalShardSampler
 from metrics import SplitOutputs, Task, scalars
 from model import build_model
 from speed import FLOAT32, Speed, resolve_speed
@@ -48,7 +49,9 @@ def evaluate_split(model: torch.nn.Module, loader, device: torch.device, task: T
             predicted = model(inputs)
         outputs.update(predicted.float(), targets)  # metrics in float64, whatever the autocast
     model.train(was_training)
-    return outputs.compute()  # collectives: the same calls on every rank
+    sampler = loader.sampler.sampler if isinstance(loader.sampler, BatchSampler) else loader.sampler
+    sizes = sampler.block_sizes() if isinstance(sampler, EvalShardSampler) else None
+    return outputs.compute(sizes)  # collectives: the same calls on every rank
 
 
 def find_checkpoint(spec: str) -> Path:

@@ -73,28 +73,31 @@ class SplitOutputs:
         self.rows.append(torch.cat([loss[:, None], task.originals(targets).double()[:, None],
                                     predictions], dim=1))
 
-    def compute(self) -> dict:
+    def compute(self, shard_sizes: list[int] | None = None) -> dict:
         """Metrics over the whole split (collectives: call on every rank, the same number of
-        times, whatever the size of its shard)."""
+        times, whatever the size of its shard). `shard_sizes`, every rank's sample count when
+        known in advance, saves the collective that would ask for them."""
         width = 2 + (self.task.num_outputs if self.task.is_classification else 1)
         mine = torch.cat(self.rows) if self.rows else torch.zeros(0, width, dtype=torch.float64)
-        return split_metrics(gather_rows(mine), self.task)
+        return split_metrics(gather_rows(mine, shard_sizes), self.task)
 
 
-def gather_rows(rows: torch.Tensor) -> torch.Tensor:
+def gather_rows(rows: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
     """Every rank's rows, concatenated in rank order, on every rank (shards may differ in size:
     they are padded to the largest for the all_gather and trimmed after)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return rows
     world = dist.get_world_size()
-    counts = torch.zeros(world, dtype=torch.long, device=rows.device)
-    counts[dist.get_rank()] = len(rows)
-    dist.all_reduce(counts)
-    padded = rows.new_zeros(int(counts.max()), rows.shape[1])
+    if counts is None:
+        sizes = torch.zeros(world, dtype=torch.long, device=rows.device)
+        sizes[dist.get_rank()] = len(rows)
+        dist.all_reduce(sizes)
+        counts = sizes.tolist()
+    padded = rows.new_zeros(max(counts), rows.shape[1])
     padded[:len(rows)] = rows
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded)
-    return torch.cat([part[:count] for part, count in zip(parts, counts.tolist(), strict=True)])
+    return torch.cat([part[:count] for part, count in zip(parts, counts, strict=True)])
 
 
 def split_metrics(rows: torch.Tensor, task: Task) -> dict:

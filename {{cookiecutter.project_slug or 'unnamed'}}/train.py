@@ -254,31 +254,46 @@ def main(argv: list[str]) -> None:
         dist_utils.prune_checkpoints(folder, cfg.train.keep_checkpoints)
 
     last_saved = step if state else -1
-    # Training sums stay on the device: reading them (.tolist()) waits for the GPU, so that is
-    # done only every log_every steps and at the end of an epoch, with the all-reduce that
-    # makes them global.
+    # Training sums stay on the device: reading them waits for the GPU, so that happens only
+    # when a window of train.log_every steps (or the rest of an epoch) is logged. Its all-reduce
+    # (which makes the sums global) runs in the background while training goes on; a window is
+    # written out when the next one starts, or before a checkpoint or an epoch's record.
     window = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
-    window_start = time.perf_counter()
+    window_steps, window_start = 0, time.perf_counter()
     epoch_totals = [0.0, 0.0, 0.0]
     grad_norm = None
+    in_flight = []  # windows being all-reduced: (handle, sums, record, grad_norm)
 
     def flush_window() -> None:
-        nonlocal window_start
-        loss_sum, correct, count = dist_utils.all_reduce_sum(window).tolist()
-        window.zero_()
-        if count == 0:
-            return
-        now = time.time()
-        elapsed = time.perf_counter() - window_start
-        window_start = time.perf_counter()
+        nonlocal window_steps, window_start
+        if window_steps:  # the same on every rank, so all of them start the all-reduce
+            sums = window.clone()
+            window.zero_()
+            record = {"step": step, "lr": scheduler.get_last_lr()[0], "time": time.time(),
+                      "seconds": time.perf_counter() - window_start}
+            norm = None if grad_norm is None else grad_norm.detach().clone()
+            in_flight.append((dist_utils.all_reduce_sum_async(sums), sums, record, norm))
+            window_steps, window_start = 0, time.perf_counter()
+        while len(in_flight) > 1:
+            write_window(*in_flight.pop(0))
+
+    def write_windows() -> None:
+        """Write out every window still in flight (waits for their all-reduces)."""
+        while in_flight:
+            write_window(*in_flight.pop(0))
+
+    def write_window(handle, sums, record, norm) -> None:
+        if handle is not None:
+            handle.wait()
+        loss_sum, correct, count = sums.tolist()
         for i, value in enumerate((loss_sum, correct, count)):
             epoch_totals[i] += value
-        record = {"step": step, "loss": loss_sum / count, "lr": scheduler.get_last_lr()[0],
-                  "samples_per_s": count / elapsed}
+        seconds, now, step = record.pop("seconds"), record.pop("time"), record["step"]
+        record.update(loss=loss_sum / count, samples_per_s=count / seconds)
         if task.is_classification:
             record["accuracy"] = correct / count
-        if grad_norm is not None:
-            record["grad_norm"] = grad_norm.item()  # before clipping; the same on every rank
+        if norm is not None:
+            record["grad_norm"] = norm.item()  # before clipping; the same on every rank
         if not math.isfinite(record["loss"]):  # the same all-reduced value on every rank
             raise UserError(
                 f"training diverged: the loss is {record['loss']} at step {step}; lower optim.lr"
@@ -287,8 +302,8 @@ def main(argv: list[str]) -> None:
             for name, value in record.items():
                 if name != "step":
                     writer().add_scalar(f"train/{name}", value, step)
-            with open(run_dir / "train_log.jsonl", "a") as handle:
-                handle.write(json.dumps({**record, "time": now}) + "\n")
+            with open(run_dir / "train_log.jsonl", "a") as log_file:
+                log_file.write(json.dumps({**record, "time": now}) + "\n")
         bar.set_postfix(loss=f"{record['loss']:.4f}")
 
     while epoch < cfg.train.epochs and step < total_steps:
@@ -302,6 +317,7 @@ def main(argv: list[str]) -> None:
             stats, grad_norm = train_step(model, optimizer, micro_batches, task, device, speed,
                                           scaler, cfg.optim.grad_clip)
             window += stats
+            window_steps += 1
             scheduler.step()
             step += 1
             step_in_epoch += 1
@@ -310,6 +326,7 @@ def main(argv: list[str]) -> None:
             if step % cfg.train.log_every == 0 or step == first_step + 1:
                 flush_window()
             if cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0:
+                write_windows()  # the log holds every step up to the checkpoint
                 save()
                 last_saved = step
             if step == total_steps:
@@ -317,10 +334,11 @@ def main(argv: list[str]) -> None:
         flush_window()
         bar.close()
 
-        loss_sum, correct, count = epoch_totals
         # Validation: the exact path of evaluate.py, on the unwrapped model.
         val = scalars(evaluate_split(unwrap(model), data.eval_loader("val"), device, task,
                                      speed))
+        write_windows()
+        loss_sum, correct, count = epoch_totals
         record = {"epoch": epoch + 1, "step": step,
                   "epoch_seconds": time.perf_counter() - epoch_start}
         if count:
