@@ -110,13 +110,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over all ranks, in place; returns it for chaining."""
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
 def all_reduce_sum_async(tensor: torch.Tensor):
     """Start summing a tensor over all ranks, in place; returns a handle to wait() on (None
     without a process group, where the sum is the tensor itself)."""

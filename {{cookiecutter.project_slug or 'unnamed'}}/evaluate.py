@@ -152,8 +152,7 @@ def main(argv: list[str]) -> None:
         # Precision and memory format from this call's speed settings (compile is not used).
         speed = resolve_speed(cfg, device, data.input_shape)
     # No DDP wrapper: evaluation computes no gradients, and the weights are the same everywhere.
-    model = model.to(device, memory_format=torch.channels_last if speed.channels_last
-                     else torch.preserve_format)
+    model = model.to(device, memory_format=speed.memory_format)
     start = time.perf_counter()
     split, task = cfg.eval.split, data.task
     result = evaluate_split(model, data.eval_loader(split), device, task, speed)

@@ -173,8 +173,7 @@ def wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv, device: torch.de
     compile it when asked (DDP first, so the compiler sees DDP's gradient buckets)."""
     if cfg.model.sync_batchnorm and env.world_size > 1:
         model = convert_sync_batchnorm(model, device)
-    model = model.to(device, memory_format=torch.channels_last if speed.channels_last
-                     else torch.preserve_format)
+    model = model.to(device, memory_format=speed.memory_format)
     if env.launched:
         model = DistributedDataParallel(
             model,

@@ -8,15 +8,12 @@ settings" table.
 """
 
 import contextlib
-import logging
 from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
 
 from config import UserError
-
-log = logging.getLogger("ddp")
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where PyTorch (2.4+) has a fused AdamW kernel
@@ -37,6 +34,11 @@ class Speed:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        """For `model.to(memory_format=...)`: channels_last applies to 4-D weights only."""
+        return torch.channels_last if self.channels_last else torch.preserve_format
 
     def inputs(self, batch: torch.Tensor) -> torch.Tensor:
         """A batch in the memory format the model expects."""
@@ -103,7 +105,8 @@ def build_optimizer(model: torch.nn.Module, cfg: DictConfig, speed: Speed) -> to
 
 
 def describe(speed: Speed) -> str:
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(speed.autocast_dtype, "fp32")
+    names = {dtype: name for name, dtype in AUTOCAST_DTYPES.items()}
+    dtype = names.get(speed.autocast_dtype, "fp32")
     parts = [f"precision {dtype}"]
     if speed.channels_last:
         parts.append("channels_last")
