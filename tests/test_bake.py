@@ -11,11 +11,13 @@ from conftest import TEMPLATE, run, unrendered_files
 
 EXPECTED_FILES = {
     "README.md", "pyproject.toml", "run.sh", ".gitignore", "config.py", "configs/default.yaml",
-    "data.py", "dist_utils.py", "evaluate.py", "model.py", "train.py", "tests/conftest.py",
+    "data.py", "data_sources.py", "dist_utils.py", "evaluate.py", "evaluation.py", "model.py",
+    "parallel.py", "tasks.py", "train.py", "training_log.py", "checkpoint.py", "metrics.py",
+    "check_equivalence.py", "preflight.py", "speed.py", "tests/conftest.py", "tests/fixtures.py",
     "tests/test_config.py", "tests/test_data.py", "tests/test_dist_utils.py",
-    "tests/test_distributed.py", "tests/probes.py", "metrics.py", "check_equivalence.py",
-    "tests/test_faults.py", "tests/fail_at_step.py", "tests/test_launch.py", "preflight.py",
-    "speed.py", "tests/test_speed.py",
+    "tests/test_distributed.py", "tests/test_examples.py", "tests/test_metrics.py",
+    "tests/probes.py", "tests/test_faults.py", "tests/fail_at_step.py", "tests/test_launch.py",
+    "tests/test_speed.py",
 }
 
 

@@ -1,15 +1,20 @@
 """Check that N processes train like one process: rerun it after swapping in your own model.
 
     python check_equivalence.py                          # 2 processes vs 1, default config
-    python check_equivalence.py --nproc 4 --steps 20 model.name=mine
+    python check_equivalence.py --nproc 4 --steps 10 model.name=mine
     python check_equivalence.py --nproc 2 --accum 2      # and gradient accumulation on top
 
 It trains the same config twice for a few optimizer steps, with the same *global* batch: once
 as one process (`python train.py`) and once under torchrun with --nproc processes (and
 train.grad_accum_steps=--accum), then compares the loss of every step (relative difference at
-most --rtol) and the final parameters. Dropout is switched off for both runs: its random masks
-cannot be the same when the batch is split differently. Exit status 0 when they match, 1 when
-not, with the first step that differs and what usually causes it.
+most --rtol) and the final parameters. Randomness that depends on how the batch is split is
+switched off for both runs: dropout (model.dropout=0) and training augmentation
+(data.augment=false, which your datasets should honour too). The steps stay inside the first
+epoch's full global batches (by default up to 15): the last batch of an epoch is padded
+differently at different process counts.
+
+Exit status: 0 PASS, 1 FAIL (with the first step that differs and what usually causes it),
+2 could not run (bad input, a run that failed: its one-line error is printed).
 """
 
 import argparse
@@ -27,14 +32,38 @@ import torch
 from config import UserError, load_config
 
 PROJECT_DIR = Path(__file__).resolve().parent
+DEFAULT_STEPS = 15
+SWITCHED_OFF = ["model.dropout=0", "data.augment=false"]  # randomness that depends on the split
 CAUSES = """What breaks equivalence, and the fix:
   - BatchNorm: each rank normalises with its own share of the batch -> model.sync_batchnorm=true
-  - randomness that differs per rank (dropout, random augmentation) -> off for this check, or
+  - randomness that differs per rank (dropout, random augmentation) -> off for this check
+    (model.dropout=0 and data.augment=false are set; make your own randomness honour them), or
     draw it from a generator seeded by sample index rather than by rank
-  - parameters unused in forward -> ddp.find_unused_parameters=true (or remove them)
-  - a loss that is not a mean over the batch (e.g. a sum) -> divide by the global batch size
-  - a global batch that is not split evenly (the last, padded step of an epoch) -> use --steps
-    below the steps of one epoch"""
+  - a loss that is not a mean over the batch (e.g. a sum) -> divide by the batch size"""
+
+
+class CannotRun(Exception):
+    """The check could not be made: the message says why (exit status 2)."""
+
+
+def steps_to_compare(overrides: list[str], requested: int | None) -> int:
+    """Steps inside the first epoch whose global batch is the same at every process count."""
+    from data import DataModule
+    from dist_utils import DistEnv
+
+    cfg = load_config(overrides)
+    data = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
+    full = data.full_steps_per_epoch
+    batch, dataset = cfg.train.global_batch_size, cfg.data.dataset
+    if full < 2:
+        raise CannotRun(f"the training split of data.dataset={dataset} holds {full} full global "
+                        f"batch(es) of {batch}: lower train.global_batch_size so an epoch has at "
+                        "least 2 steps to compare")
+    if requested is not None and requested > full:
+        raise CannotRun(f"--steps {requested} is more than the {full} full steps in one epoch of "
+                        f"data.dataset={dataset} at train.global_batch_size={batch}: use "
+                        f"--steps {full} or fewer")
+    return requested or min(DEFAULT_STEPS, full)
 
 
 def finished(run_dir: Path, steps: int) -> bool:
@@ -55,8 +84,12 @@ def train(workdir: Path, name: str, nproc: int, overrides: list[str]) -> Path:
     result = subprocess.run([sys.executable, *args], cwd=PROJECT_DIR, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
     if result.returncode != 0:
+        errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+        if errors:  # the run's own one-line report of a mistake in the input
+            raise CannotRun(f"the {name} run stopped: {errors[0].removeprefix('error: ')}")
         print(result.stdout[-4000:])
-        raise SystemExit(f"error: the {name} run failed (exit status {result.returncode})")
+        raise CannotRun(f"the {name} run failed (exit status {result.returncode}); its output "
+                        "is above")
     return run_dir
 
 
@@ -70,11 +103,28 @@ def final_parameters(run_dir: Path) -> dict:
     return torch.load(last, map_location="cpu", weights_only=True)["model"]
 
 
+def train_both(args, common: list[str], steps: int) -> tuple:
+    """Train 1 process, then N; returns both runs' step losses and final parameters."""
+    with tempfile.TemporaryDirectory() as scratch:
+        workdir = args.workdir or Path(scratch)
+        # Named by its config, so checks of several candidates can share it.
+        key = hashlib.sha256("\n".join(common).encode()).hexdigest()[:10]
+        one = workdir / f"one-process-{key}"
+        if finished(one, steps):
+            print(f"reusing the 1-process run in {one}")
+        else:
+            train(workdir, one.name, 1, common)
+        many = train(workdir, f"{args.nproc}-processes-accum-{args.accum}", args.nproc,
+                     [*common, f"train.grad_accum_steps={args.accum}"])
+        return step_losses(one), step_losses(many), final_parameters(one), final_parameters(many)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="processes of the second run")
     parser.add_argument("--accum", type=int, default=1, help="grad_accum_steps of the 2nd run")
-    parser.add_argument("--steps", type=int, default=15, help="optimizer steps to compare")
+    parser.add_argument("--steps", type=int, help="optimizer steps to compare (default: up to "
+                        f"{DEFAULT_STEPS}, within the first epoch)")
     parser.add_argument("--rtol", type=float, default=1e-5, help="relative loss tolerance")
     parser.add_argument("--param-atol", type=float, default=1e-4,
                         help="largest allowed absolute difference of a final parameter")
@@ -82,26 +132,15 @@ def main(argv: list[str]) -> int:
                         "a finished 1-process run of the same config there is reused")
     args, overrides = parser.parse_known_args(argv)
 
-    common = [*overrides, "model.dropout=0", f"train.max_steps={args.steps}",
-              "train.log_every=1", "train.ckpt_every=0", "train.progress_bar=false"]
     try:
-        load_config(common, world_size=args.nproc * args.accum)
-    except UserError as error:
+        load_config(overrides, world_size=args.nproc * args.accum)
+        steps = steps_to_compare([*overrides, *SWITCHED_OFF], args.steps)
+        common = [*overrides, *SWITCHED_OFF, f"train.max_steps={steps}", "train.log_every=1",
+                  "train.ckpt_every=0", "train.progress_bar=false"]
+        losses_one, losses_many, params_one, params_many = train_both(args, common, steps)
+    except (UserError, CannotRun) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory() as scratch:
-        workdir = args.workdir or Path(scratch)
-        # Named by its config, so checks of several candidates can share it.
-        key = hashlib.sha256("\n".join(common).encode()).hexdigest()[:10]
-        one = workdir / f"one-process-{key}"
-        if finished(one, args.steps):
-            print(f"reusing the 1-process run in {one}")
-        else:
-            train(workdir, one.name, 1, common)
-        many = train(workdir, f"{args.nproc}-processes-accum-{args.accum}", args.nproc,
-                     [*common, f"train.grad_accum_steps={args.accum}"])
-        losses_one, losses_many = step_losses(one), step_losses(many)
-        params_one, params_many = final_parameters(one), final_parameters(many)
 
     print(f"\n{'step':>5} {'loss, 1 process':>18} {f'loss, {args.nproc} processes':>20} "
           f"{'rel. diff':>10}")

@@ -38,7 +38,11 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = "digits"  # digits | synthetic | images (classification) | diabetes (regression)
+    # A key of datasets.DATASETS (digits, digits_files, synthetic, images, breast_cancer,
+    # diabetes, or yours), or module:function for a builder in another module.
+    dataset: str = "digits"
+    root: str = ""  # where a dataset read from disk lives ("": the dataset's own default)
+    augment: bool = True  # training-split augmentation, for datasets that have one
     val_fraction: float = 0.15
     test_fraction: float = 0.2
     split_seed: int = 0  # fixes the train/val/test split, independent of run.seed
@@ -59,6 +63,14 @@ class ModelConfig:
     dropout: float = 0.1
     batchnorm: bool = False  # BatchNorm after each hidden (mlp) or convolution (cnn) layer
     sync_batchnorm: bool = False  # convert BatchNorm to SyncBatchNorm (statistics over all ranks)
+
+
+@dataclass
+class TaskConfig:
+    # What is predicted and how it is scored: a key of tasks.TASKS (multiclass, binary,
+    # regression, or yours) or module:Class; "": the task the dataset is made for.
+    name: str = ""
+    pos_weight: float = 1.0  # binary: weight of the positive class in the loss (1: unweighted)
 
 
 @dataclass
@@ -105,11 +117,16 @@ class SpeedConfig:
 
 @dataclass
 class EvalConfig:
-    checkpoint: str = ""  # a checkpoint file, or a run folder (its latest checkpoint)
+    checkpoint: str = ""  # a checkpoint file or a run folder; "": the newest run in run.output_dir
     split: str = "test"  # test | val
     batch_size: int = 256  # per process; evaluation has no global-batch semantics
     output_dir: str = ""  # default: <run folder>/eval-<split>
     save_predictions: bool = False  # also write predictions.npz (split order) for your own use
+    curve_points: int = 200  # points kept per curve in curves.json, plots and TensorBoard
+    plot_classes: int = 10  # multiclass plots: the classes with the lowest AP, plus micro average
+    # 0: exact metrics from every sample's row (memory: samples x row width per rank);
+    # N: constant memory, curves and AP counted at N score thresholds (splits of millions)
+    binned_thresholds: int = 0
 
 
 @dataclass
@@ -117,6 +134,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
@@ -125,7 +143,6 @@ class Config:
 
 
 CHOICES = {
-    "data.dataset": ("digits", "synthetic", "images", "diabetes"),
     "data.worker_start_method": ("forkserver", "spawn", "fork"),
     "optim.schedule": ("cosine", "constant"),
     "train.device": ("auto", "cuda", "cpu"),
@@ -139,13 +156,13 @@ POSITIVE = (
     "model.channels",
     "optim.lr",
     "train.epochs", "train.global_batch_size", "train.grad_accum_steps", "train.log_every",
-    "ddp.timeout_minutes",
-    "eval.batch_size",
+    "ddp.timeout_minutes", "task.pos_weight",
+    "eval.batch_size", "eval.plot_classes",
 )
 NON_NEGATIVE = (
     "data.num_workers", "model.num_layers", "optim.weight_decay", "optim.warmup_steps",
     "optim.grad_clip",
-    "train.ckpt_every", "train.max_steps", "train.keep_checkpoints",
+    "train.ckpt_every", "train.max_steps", "train.keep_checkpoints", "eval.binned_thresholds",
 )
 TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string",
               bool | None: "true, false or null (null: chosen automatically)"}
@@ -244,8 +261,11 @@ def _check_values(cfg: DictConfig, world_size: int | None) -> None:
             raise UserError(f"{key}={OmegaConf.select(cfg, key)} must be between 0 and 1")
     if cfg.data.val_fraction + cfg.data.test_fraction >= 1:
         raise UserError("data.val_fraction + data.test_fraction must leave samples to train on")
-    if cfg.data.dataset in ("synthetic", "images") and cfg.data.synthetic_classes < 2:
-        raise UserError("data.synthetic_classes must be at least 2")
+    if cfg.eval.save_predictions and cfg.eval.binned_thresholds:
+        raise UserError("eval.save_predictions=true needs every sample's row, which "
+                        "eval.binned_thresholds does not keep: set one of them to its default")
+    if cfg.eval.curve_points < 2:
+        raise UserError(f"eval.curve_points={cfg.eval.curve_points} is not valid: it must be >= 2")
     if world_size is not None:
         check_batch_divides(cfg, world_size)
 
@@ -292,6 +312,60 @@ def load_config(argv: list[str], world_size: int | None = None) -> DictConfig:
         raise UserError(f"cannot resolve an interpolation: {str(error).splitlines()[0]}") from None
     _check_values(cfg, world_size)
     return cfg
+
+
+def given_keys(argv: list[str]) -> list[str]:
+    """The keys a command line sets: its key=value overrides and the keys of a --config file
+    other than the default one (whose values are the defaults)."""
+    config_file, overrides = parse_args(argv)
+    keys = [item.partition("=")[0] for item in overrides]
+    if config_file.resolve() != DEFAULT_CONFIG_FILE and config_file.is_file():
+        keys = _dotted_keys(OmegaConf.load(config_file), "") + keys
+    return list(dict.fromkeys(keys))
+
+
+def _dotted_keys(node, prefix: str) -> list[str]:
+    if not isinstance(node, DictConfig):
+        return [prefix]
+    return [key for name, child in node.items_ex(resolve=False)
+            for key in _dotted_keys(child, f"{prefix}.{name}" if prefix else str(name))]
+
+
+def lookup(registry: dict, name: str, key: str, what: str):
+    """`registry[name]`, or the object that `module:attribute` or `path/to/file.py:attribute`
+    names (code of your own outside the registry's file; a relative path is taken from the
+    project folder). Anything else is a UserError naming `key` and the choices."""
+    if name in registry:
+        return registry[name]
+    module_name, colon, attribute = name.rpartition(":")
+    if not (colon and module_name and attribute):
+        raise UserError(f"{key}={name} is not {what}: choose one of {', '.join(registry)}, or "
+                        "name one of your own as module:name or path/file.py:name")
+    try:
+        module = _import_module(module_name)
+        return getattr(module, attribute)
+    except (ImportError, AttributeError, FileNotFoundError) as error:
+        raise UserError(f"{key}={name}: cannot import it ({error})") from None
+
+
+def _import_module(name: str):
+    """A module by name, or by the path of its file: that file's folder joins sys.path (so
+    DataLoader workers started by spawn or forkserver can import it too) and it is imported by
+    its file name."""
+    import importlib
+
+    if not name.endswith(".py"):
+        return importlib.import_module(name)
+    path = (Path(name) if Path(name).is_absolute() else PROJECT_DIR / name).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    known = sys.modules.get(path.stem)
+    if known is not None and Path(getattr(known, "__file__", "") or "").resolve() != path:
+        raise ImportError(f"a module named {path.stem} is already imported from "
+                          f"{getattr(known, '__file__', 'elsewhere')}: rename {path.name}")
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    return importlib.import_module(path.stem)
 
 
 def config_from_dict(values: dict, source: str) -> DictConfig:

@@ -1,18 +1,22 @@
-"""The data module: datasets, the train/val/test split, and how each rank gets its share.
+"""The data module: how each rank gets its share of any dataset, and the helpers datasets use.
 
-Training: `DistributedSampler` gives each rank a disjoint 1/world_size of a shuffled order that is
-the same on every rank (same seed), and `DataModule.train_batches(epoch)` calls `set_epoch` so
-that order changes each epoch. Evaluation: `EvalShardSampler` gives each rank a contiguous block
-of the split with no padding, so every sample is counted exactly once.
+A dataset builder (see datasets.py) returns `Splits`: train, val and test as map-style
+`Dataset`s of any kind, in memory or read from disk. This module turns them into loaders:
 
-To use your own data, replace `load_arrays` (or build your own `Dataset` objects in
-`DataModule.__init__`); the sharding below works for any map-style dataset.
+- training: `DistributedSampler` gives each rank a disjoint 1/world_size of a shuffled order that
+  is the same on every rank (same seed); `DataModule.train_batches(epoch)` calls `set_epoch`, so
+  the order changes each epoch, and can start part-way into an epoch for an exact resume;
+- evaluation: `EvalShardSampler` gives each rank a contiguous block of the split with no
+  padding, so every sample is counted exactly once.
+
+A sample (and a batch) is a tuple `(inputs, target)` or a dict of tensors; `to_device` moves
+either whole. The task (tasks.py) decides which parts the model and the loss read.
 """
 
-import importlib.util
 import logging
 import math
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,78 +30,51 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-from config import UserError
+from config import UserError, lookup
 from dist_utils import DistEnv
-from metrics import Task
 
 log = logging.getLogger("ddp")
 
 
-REGRESSION_DATASETS = ("diabetes",)
+@dataclass
+class Splits:
+    """What a dataset builder returns: the three splits and what the task needs to know."""
+
+    train: Dataset
+    val: Dataset
+    test: Dataset
+    task: str  # the task the data is made for (a key of tasks.TASKS); task.name overrides it
+    num_classes: int = 0  # classification: labels are 0 .. num_classes - 1
+    target_mean: float = 0.0  # regression: the task trains on (target - mean) / std and
+    target_std: float = 1.0  # reports metrics in the target's own units
 
 
-def load_digits_images() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's 1797 8x8 handwritten digits as 1x8x8 images in 0..1, and their labels.
+class TensorSamples(Dataset):
+    """Samples held in memory as two tensors (inputs, targets), row i being sample i.
 
-    The CSV ships inside scikit-learn; reading it directly spares each process the second it
-    takes to import scikit-learn. load_digits() is the fallback if the file ever moves.
+    `transform`, if given, takes a *batch* of inputs (first dimension: samples) and returns it
+    transformed: a training-split augmentation, say. A list of indices reads a whole batch with
+    one indexing operation (`batch_indexing`), which `DataModule` uses to skip per-sample calls
+    and the collate step.
     """
-    spec = importlib.util.find_spec("sklearn")
-    csv = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec else None
-    if csv and csv.is_file():
-        table = np.loadtxt(csv, delimiter=",", dtype=np.float32)
-        pixels, labels = table[:, :-1], table[:, -1]
-    else:
-        from sklearn.datasets import load_digits
 
-        pixels, labels = load_digits(return_X_y=True)
-    images = (pixels / 16.0).reshape(-1, 1, 8, 8)  # intensities 0..16 -> 0..1
-    return images.astype(np.float32), labels.astype(np.int64)
+    batch_indexing = True
 
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        if len(inputs) != len(targets):
+            raise ValueError(f"{len(inputs)} inputs but {len(targets)} targets")
+        self.inputs, self.targets, self.transform = inputs, targets, transform
 
-def make_clusters(cfg: DictConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Synthetic vectors: one Gaussian cluster per class around a random corner of a hypercube
-    in the first few features (the rest is noise). Generated from data.split_seed."""
-    rng = np.random.default_rng(cfg.split_seed)
-    classes, features = cfg.synthetic_classes, cfg.synthetic_features
-    informative = min(features, max(2, classes))
-    centres = np.zeros((classes, features))
-    centres[:, :informative] = 2.0 * rng.choice([-1.0, 1.0], size=(classes, informative))
-    labels = rng.permutation(np.arange(cfg.synthetic_samples) % classes)
-    vectors = centres[labels] + rng.standard_normal((cfg.synthetic_samples, features))
-    return vectors.astype(np.float32), labels.astype(np.int64)
+    def __len__(self) -> int:
+        return len(self.targets)
 
-
-def make_images(cfg: DictConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Synthetic 3 x size x size images: each class a smooth random pattern (a 4x4 grid of
-    colours, upsampled), each sample its class's pattern plus strong pixel noise."""
-    rng = np.random.default_rng(cfg.split_seed)
-    size, classes = cfg.image_size, cfg.synthetic_classes
-    cell = math.ceil(size / 4)
-    patterns = rng.standard_normal((classes, 3, 4, 4)).repeat(cell, 2).repeat(cell, 3)
-    labels = rng.permutation(np.arange(cfg.synthetic_samples) % classes)
-    images = np.empty((cfg.synthetic_samples, 3, size, size), dtype=np.float32)
-    for start in range(0, len(labels), 512):  # in chunks: float64 noise for all would be large
-        chunk = labels[start:start + 512]
-        noise = rng.standard_normal((len(chunk), 3, size, size))
-        images[start:start + 512] = 0.5 * patterns[chunk, :, :size, :size] + noise
-    return images, labels.astype(np.int64)
-
-
-def load_arrays(cfg: DictConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Inputs (float32, one sample per row: vectors or channels x height x width images) and
-    targets for `data.dataset`: integer class labels, or float values for the regression
-    datasets in REGRESSION_DATASETS."""
-    if cfg.dataset == "diabetes":  # 442 patients, 10 features, disease progression (25..346)
-        from sklearn.datasets import load_diabetes  # bundled offline; features scaled
-
-        features, targets = load_diabetes(return_X_y=True)
-        return features.astype(np.float32), targets.astype(np.float32)
-    if cfg.dataset == "digits":
-        return load_digits_images()
-    if cfg.dataset == "images":
-        return make_images(cfg)
-    return make_clusters(cfg)
+    def __getitem__(self, index):
+        if isinstance(index, int | np.integer):
+            inputs, target = self[[int(index)]]
+            return inputs[0], target[0]
+        inputs = self.inputs[index]
+        return (self.transform(inputs) if self.transform else inputs), self.targets[index]
 
 
 def _take(indices: np.ndarray, count: int, labels: np.ndarray | None, rng) -> np.ndarray:
@@ -113,7 +90,7 @@ def _take(indices: np.ndarray, count: int, labels: np.ndarray | None, rng) -> np
                            for c, n in zip(classes, per_class, strict=True)])
 
 
-def split_indices(cfg: DictConfig, labels: np.ndarray | None, total: int) -> dict:
+def split_indices(cfg: DictConfig, total: int, labels: np.ndarray | None = None) -> dict:
     """Sample indices of the train, val and test splits, fixed by data.split_seed.
 
     test takes ceil(test_fraction x total) samples and val ceil(val_fraction x total) of the
@@ -137,32 +114,51 @@ def split_indices(cfg: DictConfig, labels: np.ndarray | None, total: int) -> dic
     return splits
 
 
-def supports_batch_indexing(dataset: Dataset) -> bool:
-    """Whether `dataset[list_of_indices]` returns the whole batch at once, as a TensorDataset's
-    does (tensors index with a list). Set `batch_indexing = True` on a dataset class of your own
-    that can, and its loaders take the fast path in DataModule._loader too."""
-    return isinstance(dataset, TensorDataset) or getattr(dataset, "batch_indexing", False)
+def array_splits(cfg: DictConfig, inputs: np.ndarray, targets: np.ndarray, task: str,
+                 train_transform: Callable | None = None) -> Splits:
+    """Splits of data held in arrays (one sample per row), for a classification task (integer
+    labels, stratified split) or regression (float targets, standardised for training)."""
+    regression = np.issubdtype(targets.dtype, np.floating)
+    indices = split_indices(cfg, len(targets), None if regression else targets)
 
+    def part(name: str, transform=None) -> TensorSamples:
+        rows = indices[name]
+        return TensorSamples(torch.from_numpy(inputs[rows]), torch.from_numpy(targets[rows]),
+                             transform)
 
-def split_arrays(cfg: DictConfig, features: np.ndarray, targets: np.ndarray) -> dict:
-    """The train/val/test datasets (see split_indices) and the Task.
-
-    Regression targets are standardised with the train split's mean and std (the model learns
-    faster on unit scale); the returned Task turns predictions back into the original units.
-    """
-    regression = cfg.dataset in REGRESSION_DATASETS
-    splits = split_indices(cfg, None if regression else targets, len(targets))
+    splits = Splits(part("train", train_transform if cfg.augment else None), part("val"),
+                    part("test"), task)
     if regression:
-        train_y = targets[splits["train"]]
-        mean, std = float(train_y.mean()), float(train_y.std())
-        task = Task("regression", 1, target_mean=mean, target_std=std)
-        targets = ((targets - mean) / std).astype(np.float32)
+        train_targets = targets[indices["train"]].astype(np.float64)
+        splits.target_mean, splits.target_std = train_targets.mean(), train_targets.std()
     else:
-        task = Task("classification", int(targets.max()) + 1)
-    datasets = {name: TensorDataset(torch.from_numpy(features[indices]),
-                                    torch.from_numpy(targets[indices]))
-                for name, indices in splits.items()}
-    return datasets, task
+        splits.num_classes = int(targets.max()) + 1
+    return splits
+
+
+def to_device(batch, device: torch.device):
+    """A batch (tensor, or tuple / list / dict of them, nested) on `device`, copied
+    asynchronously from pinned memory when the loader pinned it."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
+
+
+def count_samples(batch) -> int:
+    """The samples in a batch: the length of its first tensor."""
+    while not isinstance(batch, torch.Tensor):
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return len(batch)
+
+
+def supports_batch_indexing(dataset: Dataset) -> bool:
+    """Whether `dataset[list_of_indices]` returns the whole batch at once, as TensorSamples and
+    TensorDataset do. Set `batch_indexing = True` on a dataset class of your own that can."""
+    return isinstance(dataset, TensorDataset) or getattr(dataset, "batch_indexing", False)
 
 
 class EvalShardSampler(Sampler[int]):
@@ -205,13 +201,29 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
+def build_splits(cfg: DictConfig) -> Splits:
+    """The splits of `data.dataset`: a key of datasets.DATASETS, or module:function."""
+    from data_sources import DATASETS  # the registry lives with the datasets, which use this module
+
+    builder = lookup(DATASETS, cfg.data.dataset, "data.dataset", "a dataset")
+    splits = builder(cfg.data)
+    if not isinstance(splits, Splits):
+        raise UserError(f"data.dataset={cfg.data.dataset}: its builder must return data.Splits, "
+                        f"not {type(splits).__name__}")
+    for name in ("train", "val", "test"):
+        if len(getattr(splits, name)) == 0:
+            raise UserError(f"data.dataset={cfg.data.dataset} has an empty {name} split")
+    return splits
+
+
 class DataModule:
     """Datasets and loaders for one rank."""
 
     def __init__(self, cfg: DictConfig, env: DistEnv, device: torch.device):
         self.cfg, self.env, self.device = cfg, env, device
-        self.datasets, self.task = split_arrays(cfg.data, *load_arrays(cfg.data))
-        self.input_shape = tuple(self.datasets["train"][0][0].shape)  # of one sample
+        self.splits = build_splits(cfg)
+        self.datasets = {"train": self.splits.train, "val": self.splits.val,
+                         "test": self.splits.test}
 
         # The config's batch size is the global one; config.check_batch_divides has made sure
         # it splits evenly, so every rank runs the same number of steps per epoch.
@@ -259,6 +271,12 @@ class DataModule:
         """Optimizer steps per epoch (a last, smaller step takes what is left)."""
         return math.ceil(self.train_sampler.num_samples / self.batch_size_per_rank)
 
+    @property
+    def full_steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch whose global batch holds only distinct samples (the
+        sampler pads the last one with repeats when the set does not divide)."""
+        return len(self.datasets["train"]) // self.cfg.train.global_batch_size
+
     def train_batches(self, epoch: int, skip_steps: int = 0):
         """This rank's batches for `epoch`, in an order that differs from epoch to epoch,
         leaving out the first `skip_steps` optimizer steps (when resuming mid-epoch)."""
@@ -274,7 +292,7 @@ class DataModule:
 
     def train_steps(self, epoch: int, skip_steps: int = 0):
         """The micro-batches of each optimizer step of `epoch`: lists of grad_accum_steps
-        (inputs, targets) pairs, fewer for a last, partial step."""
+        batches, fewer for a last, partial step."""
         step: list = []
         for batch in self.train_batches(epoch, skip_steps):
             step.append(batch)

@@ -11,15 +11,12 @@ import datetime
 import gc
 import logging
 import os
-import pickle
-import random
 import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -222,6 +219,9 @@ def _is_peer_failure(error: BaseException) -> bool:
                                   "Broken pipe", "NCCL communicator was aborted")))
 
 
+UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
+
+
 def run_main(main: Callable[[list[str]], None]) -> None:
     """Run an entry point: a UserError prints once and exits 2; any other error prints its
     traceback once, from the rank it happened on, and exits 1; the group is always left."""
@@ -233,6 +233,12 @@ def run_main(main: Callable[[list[str]], None]) -> None:
         cleanup()
         sys.exit(130)
     except Exception as error:
+        if UNUSED_PARAMETERS in str(error):
+            # DDP's own message is a page long; the fix is one setting. Every rank runs the same
+            # model, so every rank gets here and they agree as for any input mistake.
+            _exit_on_user_error(
+                "the model has parameters that got no gradient (a branch that forward did not "
+                "use): set ddp.find_unused_parameters=true, or remove them")
         rank = os.environ.get("RANK", "0")
         if _is_peer_failure(error):
             # Another rank failed (its own report says why) or was killed: leave quietly;
@@ -249,119 +255,3 @@ def run_main(main: Callable[[list[str]], None]) -> None:
     # "terminate called without an active exception"), which torchrun takes for a failure.
     gc.collect()
     cleanup()
-
-
-# --- checkpoints ---------------------------------------------------------------------------
-
-MODEL_PREFIXES = ("module.", "_orig_mod.")  # added by DDP and by torch.compile
-
-
-def clean_state_dict(state_dict: dict) -> dict:
-    """Keys without DDP's `module.` or torch.compile's `_orig_mod.`, so any wrapping loads them."""
-    cleaned = {}
-    for key, value in state_dict.items():
-        changed = True
-        while changed:
-            changed = False
-            for prefix in MODEL_PREFIXES:
-                if key.startswith(prefix):
-                    key, changed = key[len(prefix) :], True
-        cleaned[key] = value
-    return cleaned
-
-
-def save_checkpoint(state: dict, path: Path) -> None:
-    """Write a checkpoint atomically, on rank 0 only; every rank returns once it is complete.
-
-    The bytes go to a temporary file in the same folder, are flushed to disk, then renamed over
-    the target: a reader (or a restarted job) sees the old file or the new one, never half of one.
-    """
-    if is_main_process():
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as handle:
-                torch.save(state, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-            with contextlib.suppress(OSError):  # make the rename itself durable
-                dir_fd = os.open(path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(dir_fd)
-                finally:
-                    os.close(dir_fd)
-        finally:
-            tmp.unlink(missing_ok=True)
-    barrier()
-
-
-def list_checkpoints(folder: Path) -> list[Path]:
-    """The complete checkpoints of a run's checkpoints/ folder, oldest first.
-
-    Only finished files are named step-*.pt (save_checkpoint renames them into place), so a
-    write cut short by a crash is never among them.
-    """
-    return sorted(Path(folder).glob("step-*.pt"))  # zero-padded step numbers sort in order
-
-
-def prune_checkpoints(folder: Path, keep: int) -> None:
-    """Rank 0 deletes all but the newest `keep` checkpoints (keep=0: delete none), and any
-    temporary file a killed writer left behind."""
-    if not is_main_process():
-        return
-    for leftover in Path(folder).glob(".step-*.tmp-*"):
-        leftover.unlink(missing_ok=True)
-    if keep:
-        for old in list_checkpoints(folder)[:-keep]:
-            old.unlink(missing_ok=True)
-
-
-def rng_state() -> dict:
-    """This process's random number generators, as tensors and plain data (weights_only-safe)."""
-    _, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, internal, python_gauss = random.getstate()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
-        "python": {"version": version, "internal": list(internal), "gauss": python_gauss},
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    numpy = state["numpy"]
-    np.random.set_state(("MT19937", numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
-                         numpy["has_gauss"], numpy["gauss"]))
-    python = state["python"]
-    random.setstate((python["version"], tuple(python["internal"]), python["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def load_checkpoint(path: Path, map_location="cpu") -> dict:
-    """Load a checkpoint safely (`weights_only=True`: tensors and plain data, never code)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"checkpoint not found: {path}")
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as error:
-        if "weights_only" in str(error):
-            raise UserError(
-                f"refusing to load checkpoint {path}: it holds Python objects beyond tensors and "
-                "plain data, which could run code when loaded; re-save it with state_dict()s only"
-            ) from None
-        raise UserError(f"cannot load checkpoint {path}: it is not a PyTorch checkpoint") from None
-    except Exception:  # a truncated zip archive, or another kind of file
-        raise UserError(
-            f"cannot load checkpoint {path}: the file is truncated or not a PyTorch checkpoint"
-        ) from None
-    if not isinstance(state, dict) or "model" not in state:
-        raise UserError(f"{path} is not a checkpoint of this project (no 'model' entry)")
-    return state

@@ -1,162 +1,257 @@
-"""Tasks (what the model predicts and how it is scored) and exact metrics across processes.
+"""Exact metrics of a whole evaluation split, as pure functions of float64 tensors.
 
-Every rank keeps one row per sample of its shard of the evaluation split (the sample's loss, its
-target and the model's prediction: class probabilities or a value). `SplitOutputs.compute()`
-gathers the rows of all ranks, in rank order, which is the split's own order because the shards
-are contiguous blocks (data.EvalShardSampler), and computes every metric once over the whole
-split, on every rank. So loss, accuracy, the confusion matrix, precision-recall curves and average
-precision (classification), MAE and RMSE (regression) are the numbers a one-process evaluation
-gives, summed in the same order, whatever the process count. Averaging per-rank metrics would not
-be: a PR curve cannot be averaged, and even a mean of means is wrong when shards differ in size.
+Every function here sees every sample of the split: the caller gathers each process's per-sample
+rows (scores, labels) first and calls these once on the whole split, so the numbers are the ones a
+one-process evaluation gives, whatever the process count. Per-process metrics cannot simply be
+averaged: a PR or ROC curve is a set of points at thresholds taken from all the scores, and a mean
+of per-shard curves (or of their areas) is not the curve of the union. Even a mean of accuracies is
+wrong when shards differ in size.
 
-One gather of all rows costs two collectives per evaluation, however many metrics there are.
-Exact PR curves need every prediction anyway; rows take (classes + 2) float64 numbers a sample.
+The curves follow scikit-learn's conventions (checked against it in tests/test_metrics.py): every
+distinct score is a threshold, equal scores are taken together, a sample is predicted positive when
+its score is >= the threshold.
+
+Gathering every score costs memory proportional to the split. For very large splits the binned
+mode keeps, per class, `bins` x 2 counts (positives and negatives per score bin), independent of
+the split's size and additive across batches and processes (sum or all-reduce them); its curves
+are exact at the bin edges and approximate the exact AP / ROC AUC.
+
+`thin_curve` / `thin` cut a curve of up to one point per sample down to a bounded number of points
+that keep its shape, for JSON, plots and TensorBoard.
 """
 
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+
+_F1_TIE = 1e-13  # F1 values closer than this are ties (float noise of 2pr / (p + r))
 
 
-@dataclass(frozen=True)
-class Task:
-    """What the model's outputs mean. Regression targets are standardised for training;
-    `target_mean` / `target_std` turn predictions back into the data's own units for metrics."""
-
-    kind: str  # "classification" | "regression"
-    num_outputs: int  # classes, or 1 for regression
-    target_mean: float = 0.0
-    target_std: float = 1.0
-
-    @property
-    def is_classification(self) -> bool:
-        return self.kind == "classification"
-
-    def loss(self, outputs: torch.Tensor, targets: torch.Tensor,
-             reduction: str = "mean") -> torch.Tensor:
-        if self.is_classification:
-            return F.cross_entropy(outputs, targets, reduction=reduction)
-        return F.mse_loss(outputs.squeeze(-1), targets, reduction=reduction)
-
-    def correct(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Correct predictions in a batch (classification), for cheap running accuracy."""
-        return (outputs.argmax(dim=-1) == targets).sum()
-
-    def predictions(self, outputs: torch.Tensor) -> torch.Tensor:
-        """Class probabilities, or predictions in the target's own units."""
-        if self.is_classification:
-            return outputs.double().softmax(dim=-1)
-        return outputs.squeeze(-1).double() * self.target_std + self.target_mean
-
-    def originals(self, targets: torch.Tensor) -> torch.Tensor:
-        """Targets in the data's own units."""
-        if self.is_classification:
-            return targets
-        return targets.double() * self.target_std + self.target_mean
+def _as_bool(positive: torch.Tensor) -> torch.Tensor:
+    return positive.bool() if positive.dtype != torch.bool else positive
 
 
-class SplitOutputs:
-    """One rank's per-sample rows of an evaluation split: [loss, target, prediction(s)], float64,
-    the target and predictions in the data's own units."""
-
-    def __init__(self, task: Task):
-        self.task = task
-        self.rows: list[torch.Tensor] = []
-
-    def update(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
-        task = self.task
-        loss = task.loss(outputs.double(), targets if task.is_classification
-                         else targets.double(), reduction="none")
-        predictions = task.predictions(outputs).reshape(len(targets), -1)
-        self.rows.append(torch.cat([loss[:, None], task.originals(targets).double()[:, None],
-                                    predictions], dim=1))
-
-    def compute(self, shard_sizes: list[int] | None = None) -> dict:
-        """Metrics over the whole split (collectives: call on every rank, the same number of
-        times, whatever the size of its shard). `shard_sizes`, every rank's sample count when
-        known in advance, saves the collective that would ask for them."""
-        width = 2 + (self.task.num_outputs if self.task.is_classification else 1)
-        mine = torch.cat(self.rows) if self.rows else torch.zeros(0, width, dtype=torch.float64)
-        return split_metrics(gather_rows(mine, shard_sizes), self.task)
-
-
-def gather_rows(rows: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
-    """Every rank's rows, concatenated in rank order, on every rank (shards may differ in size:
-    they are padded to the largest for the all_gather and trimmed after)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return rows
-    world = dist.get_world_size()
-    if counts is None:
-        sizes = torch.zeros(world, dtype=torch.long, device=rows.device)
-        sizes[dist.get_rank()] = len(rows)
-        dist.all_reduce(sizes)
-        counts = sizes.tolist()
-    padded = rows.new_zeros(max(counts), rows.shape[1])
-    padded[:len(rows)] = rows
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
-    return torch.cat([part[:count] for part, count in zip(parts, counts, strict=True)])
-
-
-def split_metrics(rows: torch.Tensor, task: Task) -> dict:
-    """Plain values from the rows of a whole split. Scalars go in the top level; classification
-    adds `average_precision_per_class`, `confusion_matrix` and `pr_curves` (per class:
-    precision, recall, thresholds); `predictions` and `targets` hold the split's own."""
-    loss, targets, predictions = rows[:, 0], rows[:, 1], rows[:, 2:]
-    count = len(rows)
-    result = {"loss": (loss.sum() / max(count, 1)).item(), "num_samples": count}
-    if task.is_classification:
-        classes, labels = task.num_outputs, targets.long()
-        predicted = predictions.argmax(dim=1)
-        confusion = torch.bincount(labels * classes + predicted, minlength=classes * classes)
-        confusion = confusion.reshape(classes, classes)  # rows: true class, columns: predicted
-        curves = [precision_recall_curve(predictions[:, c], labels == c) for c in range(classes)]
-        per_class = [average_precision(precision, recall) for precision, recall, _ in curves]
-        result.update(
-            accuracy=(confusion.trace().double() / max(count, 1)).item(),
-            average_precision_macro=sum(per_class) / classes,
-            average_precision_per_class=per_class,
-            confusion_matrix=confusion.tolist(),
-            pr_curves=[{"precision": p.tolist(), "recall": r.tolist(), "thresholds": t.tolist()}
-                       for p, r, t in curves],
-            predictions=predictions, targets=labels,
-        )
-    else:
-        error = predictions[:, 0] - targets
-        result.update(mae=(error.abs().sum() / max(count, 1)).item(),
-                      rmse=(error.square().sum() / max(count, 1)).sqrt().item(),
-                      predictions=predictions[:, 0], targets=targets)
-    return result
-
-
-def precision_recall_curve(scores: torch.Tensor, positive: torch.Tensor) -> tuple:
-    """The exact precision-recall curve of one class: every distinct score is a threshold.
-
-    Returns precision and recall (one more point than thresholds: precision 1 at recall 0) and
-    the thresholds in increasing order, the conventions of scikit-learn's precision_recall_curve.
-    """
+def _threshold_counts(scores: torch.Tensor, positive: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thresholds (the distinct scores, decreasing) and the true and false positive counts
+    (float64) when predicting positive every sample whose score is >= each threshold."""
     order = torch.sort(scores, descending=True, stable=True).indices
-    scores, positive = scores[order], positive[order].double()
+    scores, positive = scores[order], _as_bool(positive)[order].double()
     # The last position of each run of equal scores: a threshold takes all of its ties at once.
-    last_of_run = torch.cat([torch.nonzero(scores[1:] != scores[:-1]).flatten(),
-                             torch.tensor([len(scores) - 1], device=scores.device)])
+    end = torch.tensor([len(scores) - 1], device=scores.device)
+    last_of_run = torch.cat([torch.nonzero(scores[1:] != scores[:-1]).flatten(), end])
     true_pos = positive.cumsum(0)[last_of_run]
-    predicted_pos = (last_of_run + 1).double()
-    precision = true_pos / predicted_pos
-    recall = true_pos / true_pos[-1] if true_pos[-1] > 0 else torch.ones_like(true_pos)
+    false_pos = (last_of_run + 1).double() - true_pos
+    return scores[last_of_run], true_pos, false_pos
+
+
+def _pr_from_counts(thresholds: torch.Tensor, true_pos: torch.Tensor, false_pos: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PR curve from counts at decreasing thresholds (every threshold predicts something)."""
+    precision = true_pos / (true_pos + false_pos)
+    positives = true_pos[-1] if len(true_pos) else true_pos.new_zeros(())
+    # No positives: scikit-learn sets recall to 1 everywhere; so do we.
+    recall = true_pos / positives if positives > 0 else torch.ones_like(true_pos)
     one, zero = precision.new_ones(1), precision.new_zeros(1)
     return (torch.cat([precision.flip(0), one]), torch.cat([recall.flip(0), zero]),
-            scores[last_of_run].flip(0))
+            thresholds.flip(0))
+
+
+def _roc_from_counts(thresholds: torch.Tensor, true_pos: torch.Tensor, false_pos: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ROC curve from counts at decreasing thresholds, with the point (0, 0) at +inf first."""
+    zero = true_pos.new_zeros(1)
+    true_pos, false_pos = torch.cat([zero, true_pos]), torch.cat([zero, false_pos])
+    thresholds = torch.cat([thresholds.new_full((1,), float("inf")), thresholds])
+    # 0 / 0 gives nan when a class is absent, as scikit-learn does.
+    return false_pos / false_pos[-1], true_pos / true_pos[-1], thresholds
+
+
+def precision_recall_curve(scores: torch.Tensor, positive: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exact precision-recall curve of one class: every distinct score is a threshold.
+
+    Returns precision and recall (one more point than thresholds: precision 1 at recall 0, last)
+    and the thresholds in increasing order: point k is the classifier `score >= thresholds[k]`.
+    These are scikit-learn's precision_recall_curve conventions, recall 1 when nothing is positive.
+    """
+    if len(scores) == 0:
+        one = scores.new_ones(1, dtype=torch.float64)
+        return one, torch.zeros_like(one), scores.new_zeros(0, dtype=torch.float64)
+    return _pr_from_counts(*_threshold_counts(scores.double(), positive))
 
 
 def average_precision(precision: torch.Tensor, recall: torch.Tensor) -> float:
     """Area under the step-wise PR curve: sum over thresholds of precision x recall gained
-    (scikit-learn's average_precision_score; no interpolation)."""
+    (scikit-learn's average_precision_score; no interpolation). 0 when nothing is positive."""
     return (-(recall[1:] - recall[:-1]) * precision[:-1]).sum().item()
 
 
-def scalars(result: dict) -> dict:
-    """The single-number metrics of a result (for logs, TensorBoard and summary tables)."""
-    return {k: v for k, v in result.items() if isinstance(v, float)}
+def roc_curve(scores: torch.Tensor, positive: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exact ROC curve of one class: false and true positive rates and decreasing thresholds,
+    the first +inf with the point (0, 0); scikit-learn's roc_curve(drop_intermediate=False).
+    A rate is nan throughout when its class (negatives for fpr, positives for tpr) is absent."""
+    scores = scores.double()
+    if len(scores) == 0:
+        nan = scores.new_full((1,), float("nan"))
+        return nan, nan.clone(), scores.new_full((1,), float("inf"))
+    return _roc_from_counts(*_threshold_counts(scores, positive))
+
+
+def roc_auc(fpr: torch.Tensor, tpr: torch.Tensor) -> float:
+    """Area under the ROC curve by the trapezoidal rule (scikit-learn's roc_auc_score). nan when
+    the split has no positives or no negatives (the rates are then nan; scikit-learn raises)."""
+    if len(fpr) < 2 or torch.isnan(fpr).any() or torch.isnan(tpr).any():
+        return float("nan")
+    return ((fpr[1:] - fpr[:-1]) * (tpr[1:] + tpr[:-1]) / 2).sum().item()
+
+
+def counts_at_threshold(scores: torch.Tensor, positive: torch.Tensor, threshold: float) -> dict:
+    """Confusion counts and scores of the classifier `score >= threshold` (the PR curve's rule).
+
+    Returns tp, fp, fn, tn (ints) and precision, recall, f1, accuracy (floats), with
+    scikit-learn's zero_division=0: a ratio whose denominator is 0 is 0 (accuracy of nothing too).
+    """
+    predicted, positive = scores >= threshold, _as_bool(positive)
+    tp = int((predicted & positive).sum())
+    fp = int((predicted & ~positive).sum())
+    fn = int((~predicted & positive).sum())
+    return _scores_from_counts(tp, fp, fn, len(scores) - tp - fp - fn)
+
+
+def _ratio(numerator: int, denominator: int) -> float:
+    return numerator / denominator if denominator else 0.0
+
+
+def _scores_from_counts(tp: int, fp: int, fn: int, tn: int) -> dict:
+    # f1 from counts rather than from precision and recall: the same number without rounding.
+    return {"tp": tp, "fp": fp, "fn": fn, "tn": tn,
+            "precision": _ratio(tp, tp + fp), "recall": _ratio(tp, tp + fn),
+            "f1": _ratio(2 * tp, 2 * tp + fp + fn), "accuracy": _ratio(tp + tn, tp + fp + fn + tn)}
+
+
+def binned_counts_at_threshold(counts: torch.Tensor, threshold: float) -> dict:
+    """counts_at_threshold from binned_counts, for a threshold that is a bin edge: the bins at
+    or above it are predicted positive."""
+    above = bin_edges(counts.shape[1]).to(counts.device) >= threshold - 1e-12
+    tp, fp = (int(v) for v in counts[:, above].sum(1).tolist())
+    fn, tn = (int(v) for v in counts[:, ~above].sum(1).tolist())
+    return _scores_from_counts(tp, fp, fn, tn)
+
+
+def best_f1_threshold(precision: torch.Tensor, recall: torch.Tensor,
+                      thresholds: torch.Tensor) -> float:
+    """The threshold of a PR curve (as precision_recall_curve returns it) with the highest F1;
+    ties (within float noise) go to the highest threshold. 0.5 when the curve has no threshold or
+    the class has no positive (F1 is then 0 at every threshold)."""
+    count = len(thresholds)
+    if count == 0:
+        return 0.5
+    p, r = precision[:count], recall[:count]
+    total = p + r
+    f1 = torch.where(total > 0, 2 * p * r / total.clamp_min(1e-300), torch.zeros_like(total))
+    best = f1.max()
+    if best <= 0:
+        return 0.5
+    # Thresholds increase, so the last index among the best is the highest threshold.
+    index = torch.nonzero(f1 >= best - _F1_TIE).flatten()[-1]
+    return thresholds[index].item()
+
+
+def confusion_matrix(labels: torch.Tensor, predicted: torch.Tensor, classes: int) -> torch.Tensor:
+    """Counts [classes, classes], rows the true class and columns the predicted one (both in
+    [0, classes)); scikit-learn's confusion_matrix(labels, predicted, labels=range(classes))."""
+    flat = labels.long() * classes + predicted.long()
+    return torch.bincount(flat, minlength=classes * classes).reshape(classes, classes)
+
+
+def thin_curve(x: torch.Tensor, y: torch.Tensor, max_points: int) -> torch.Tensor:
+    """Indices (sorted, unique, LongTensor) of at most `max_points` points of the curve (x, y)
+    that keep its shape: the first and the last point, and points spread evenly along the curve's
+    path length in (x, y) space, so steep and flat parts keep the same detail. A curve of at most
+    `max_points` points is kept whole.
+
+    Every point left out lies within one step of path length (length / (max_points - 1)) of the
+    kept point before it, in both x and y. nan coordinates count as no length.
+    """
+    if max_points < 2:
+        raise ValueError(f"max_points must be at least 2, got {max_points}")
+    count = len(x)
+    if count <= max_points:
+        return torch.arange(count, device=x.device)
+    x, y = x.double(), y.double()
+    step = torch.hypot(x[1:] - x[:-1], y[1:] - y[:-1]).nan_to_num(0.0, posinf=0.0)
+    distance = torch.cat([step.new_zeros(1), step.cumsum(0)])  # path length up to each point
+    targets = torch.linspace(0.0, distance[-1].item(), max_points, dtype=torch.float64,
+                             device=x.device)
+    # The first point at or past each target; duplicates (long segments) merge, so at most
+    # max_points survive. The end targets are pinned to the end points (the last target could
+    # stop early on a run of repeated final points).
+    chosen = torch.searchsorted(distance, targets).clamp_max(count - 1)
+    chosen[0], chosen[-1] = 0, count - 1
+    return torch.unique(chosen)  # sorted
+
+
+def thin(curve: dict[str, torch.Tensor], x: str, y: str, max_points: int
+         ) -> dict[str, list[float]]:
+    """Every array of a curve at the points thin_curve(curve[x], curve[y], max_points) keeps,
+    as plain lists.
+
+    Arrays as long as `x` (precision, recall, ROC thresholds...) take the kept indices. An array
+    one shorter (a PR curve's thresholds: the last point, precision 1 at recall 0, has none) takes
+    the kept indices but the last point's, which thin_curve always keeps: the result stays one
+    shorter and aligned, point k at thresholds[k], as precision_recall_curve returns it.
+    """
+    count = len(curve[x])
+    kept = thin_curve(curve[x], curve[y], max_points)
+    result = {}
+    for name, values in curve.items():
+        if len(values) == count:
+            result[name] = values[kept].tolist()
+        elif len(values) == count - 1:
+            result[name] = values[kept[:-1]].tolist()
+        else:
+            raise ValueError(f"{name} has {len(values)} values, the curve has {count} points")
+    return result
+
+
+def bin_edges(bins: int) -> torch.Tensor:
+    """Lower edges i / bins of the score bins over [0, 1]: the binned curves' thresholds."""
+    return torch.arange(bins, dtype=torch.float64) / bins
+
+
+def binned_counts(scores: torch.Tensor, positive: torch.Tensor, bins: int) -> torch.Tensor:
+    """Positives (row 0) and negatives (row 1) per score bin, float64 [2, bins]; bin i holds the
+    scores in [i / bins, (i + 1) / bins), 1.0 in the last; scores outside [0, 1] are clamped.
+    Counts add up across batches and processes: sum them, or all-reduce them."""
+    edges = bin_edges(bins).to(scores.device)
+    # Compare with the very edges reported as thresholds (score * bins can round below i).
+    index = (torch.searchsorted(edges, scores.double(), right=True) - 1).clamp(0, bins - 1)
+    negative = (~_as_bool(positive)).long()
+    flat = torch.bincount(negative * bins + index, minlength=2 * bins)
+    return flat.reshape(2, bins).double()
+
+
+def _binned_threshold_counts(counts: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thresholds (edges of the non-empty bins, decreasing) and the true and false positives
+    at each: a bin edge is a threshold as a distinct score is in the exact curves."""
+    counts = counts.double()
+    bins = counts.shape[1]
+    non_empty = (counts.sum(0) > 0).flip(0)
+    from_top = counts.flip(1).cumsum(1)  # positives, negatives at or above each edge
+    edges = bin_edges(bins).to(counts.device).flip(0)
+    return edges[non_empty], from_top[0][non_empty], from_top[1][non_empty]
+
+
+def binned_pr_curve(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PR curve from binned_counts, thresholds the lower edges of the non-empty bins (increasing).
+    Exact at those thresholds (same conventions as precision_recall_curve, so average_precision
+    applies); its AP approximates the exact one, equal when every score is a bin edge."""
+    return _pr_from_counts(*_binned_threshold_counts(counts))
+
+
+def binned_roc_curve(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ROC curve from binned_counts: +inf, then the lower edges of the non-empty bins
+    (decreasing), as roc_curve returns them, so roc_auc applies; exact at those thresholds, its
+    area approximates the exact one, equal when every score is a bin edge."""
+    return _roc_from_counts(*_binned_threshold_counts(counts))

@@ -40,9 +40,13 @@ class Speed:
         """For `model.to(memory_format=...)`: channels_last applies to 4-D weights only."""
         return torch.channels_last if self.channels_last else torch.preserve_format
 
-    def inputs(self, batch: torch.Tensor) -> torch.Tensor:
-        """A batch in the memory format the model expects."""
-        if self.channels_last and batch.dim() == 4:
+    def inputs(self, batch):
+        """Model inputs (a tensor, or a dict of them) in the memory format the model expects."""
+        if not self.channels_last:
+            return batch
+        if isinstance(batch, dict):
+            return {key: self.inputs(value) for key, value in batch.items()}
+        if isinstance(batch, torch.Tensor) and batch.dim() == 4:
             return batch.contiguous(memory_format=torch.channels_last)
         return batch
 
@@ -51,7 +55,7 @@ FLOAT32 = Speed(autocast_dtype=None, channels_last=False, compile=False, compile
                 fused_adamw=False)  # every setting off
 
 
-def resolve_speed(cfg: DictConfig, device: torch.device, input_shape: tuple) -> Speed:
+def resolve_speed(cfg: DictConfig, device: torch.device, input_shape: tuple | dict) -> Speed:
     """The settings of `cfg.speed` for this device and inputs; also sets TF32 (process-wide)."""
     cuda = device.type == "cuda"
     precision = cfg.speed.precision
@@ -62,7 +66,7 @@ def resolve_speed(cfg: DictConfig, device: torch.device, input_shape: tuple) -> 
                         "speed.precision=fp16 on this GPU")
     if cuda:
         set_tf32(cfg.speed.tf32)
-    image_batches = len(input_shape) == 3  # channels x height x width
+    image_batches = isinstance(input_shape, tuple) and len(input_shape) == 3  # C x H x W
     channels_last = cfg.speed.channels_last
     if channels_last is None:
         channels_last = cuda and image_batches

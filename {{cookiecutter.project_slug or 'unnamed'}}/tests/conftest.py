@@ -9,15 +9,22 @@ import pytest
 
 PROJECT = Path(__file__).resolve().parents[1]
 
-# 352 synthetic samples split into 228 train (divisible by 1, 2, 3, 4 and 6 processes),
+
+def fixture(name: str) -> str:
+    """How a run names a builder of tests/fixtures.py (the tests' own data and models)."""
+    return f"tests/fixtures.py:{name}"
+
+
+# The tests' own 352 samples split into 228 train (divisible by 1, 2, 3, 4 and 6 processes),
 # 53 val and 71 test (divisible by neither 2 nor 3): uneven evaluation shards on purpose.
 TINY = [
-    "data.dataset=synthetic", "data.synthetic_samples=352", "data.synthetic_features=16",
-    "model.hidden_dim=32", "train.global_batch_size=12", "train.epochs=3",
-    "train.log_every=5", "train.ckpt_every=20", "optim.warmup_steps=5", "optim.lr=0.01",
-    "train.progress_bar=false",
+    f"data.dataset={fixture('vectors')}", f"model.name={fixture('mlp')}", "model.hidden_dim=32",
+    "train.global_batch_size=12", "train.epochs=3", "train.log_every=5", "train.ckpt_every=20",
+    "optim.warmup_steps=5", "optim.lr=0.01", "train.progress_bar=false",
 ]
 TINY_SPLIT = {"train": 228, "val": 53, "test": 71}
+IMAGES = [f"data.dataset={fixture('images')}", f"model.name={fixture('convnet')}",
+          "model.channels=8"]
 
 
 def command_env(**extra: str) -> dict:

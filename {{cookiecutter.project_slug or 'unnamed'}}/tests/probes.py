@@ -23,21 +23,21 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, get_worker_info  # noqa
+from torch.utils.data import DataLoader, DistributedSampler, get_worker_info  # noqa: E402
 
 import dist_utils  # noqa: E402
 from config import load_config  # noqa: E402
-from data import DataModule  # noqa: E402
-from evaluate import evaluate_split  # noqa: E402
-from metrics import scalars  # noqa: E402
-from model import build_model, wrap_model  # noqa: E402
+from data import DataModule, TensorSamples  # noqa: E402
+from evaluation import evaluate_split, scalars  # noqa: E402
+from parallel import build_model, wrap_model  # noqa: E402
 from speed import FLOAT32  # noqa: E402
+from tasks import build_task  # noqa: E402
 from train import train_step  # noqa: E402
 
 
 def indices_seen(batches, dataset) -> list[int]:
     """Map each row the loader yields back to its index (the synthetic rows are all distinct)."""
-    index_of = {row.numpy().tobytes(): i for i, row in enumerate(dataset.tensors[0])}
+    index_of = {row.numpy().tobytes(): i for i, row in enumerate(dataset.inputs)}
     return [index_of[row.numpy().tobytes()] for inputs, _ in batches for row in inputs]
 
 
@@ -50,16 +50,22 @@ def shards(cfg, env, data, out_dir: Path) -> None:
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(record))
 
 
+def model_and_task(cfg, data):
+    task = build_task(cfg, data.splits)
+    model = build_model(cfg.model, task.input_shape(data.datasets["train"][0]), task.num_outputs)
+    return model, task
+
+
 def padding_bias(cfg, env, data, out_dir: Path) -> None:
     torch.manual_seed(0)
-    model = build_model(cfg.model, data.input_shape, data.task.num_outputs)
+    model, task = model_and_task(cfg, data)
     device = torch.device("cpu")
-    exact = evaluate_split(model, data.eval_loader("test"), device, data.task)
+    exact = evaluate_split(model, data.eval_loader("test"), device, task)
     # What many templates do: DistributedSampler for evaluation. It pads the split with repeated
     # samples so every rank gets the same count, and those repeats are scored twice.
     padded_sampler = DistributedSampler(data.datasets["test"], shuffle=False)
     padded_loader = DataLoader(data.datasets["test"], batch_size=16, sampler=padded_sampler)
-    padded = evaluate_split(model, padded_loader, device, data.task)
+    padded = evaluate_split(model, padded_loader, device, task)
     if env.is_main:
         report = {name: {"num_samples": r["num_samples"], **scalars(r)}
                   for name, r in (("exact", exact), ("padded", padded))}
@@ -68,8 +74,8 @@ def padding_bias(cfg, env, data, out_dir: Path) -> None:
 
 def allreduce(cfg, env, data, out_dir: Path) -> None:
     torch.manual_seed(cfg.run.seed)
-    model = wrap_model(build_model(cfg.model, data.input_shape, data.task.num_outputs), cfg,
-                       env, torch.device("cpu"), FLOAT32)
+    model, task = model_and_task(cfg, data)
+    model = wrap_model(model, cfg, env, torch.device("cpu"), FLOAT32)
     calls = [0]
 
     def counting_allreduce(state, bucket):
@@ -80,7 +86,7 @@ def allreduce(cfg, env, data, out_dir: Path) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     steps, micro_batches = 0, 0
     for step_batches in data.train_steps(0):
-        train_step(model, optimizer, step_batches, data.task, torch.device("cpu"))
+        train_step(model, optimizer, step_batches, task, torch.device("cpu"))
         steps += 1
         micro_batches += len(step_batches)
     if env.is_main:
@@ -88,7 +94,7 @@ def allreduce(cfg, env, data, out_dir: Path) -> None:
         (out_dir / "allreduce.json").write_text(json.dumps(report))
 
 
-class RandomStateProbe(TensorDataset):
+class RandomStateProbe(TensorSamples):
     """With each batch, the worker that read it, its seed and a draw of each random generator."""
 
     def __getitem__(self, index):
@@ -109,7 +115,8 @@ def workers(cfg, env, data, out_dir: Path) -> None:
         torch.equal(batch[0], reference[0]) for batch, reference in
         zip(data.eval_loader("val"), in_process.eval_loader("val"), strict=True)
     )
-    probe = RandomStateProbe(*data.datasets["train"].tensors)
+    train = data.datasets["train"]
+    probe = RandomStateProbe(train.inputs, train.targets)
     loader = data._loader(probe, data.micro_batch_size, data.train_sampler)
     data.train_sampler.set_epoch(0)
     first_draws = {}  # worker id -> the state its first batch reported

@@ -6,13 +6,34 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from config import DEFAULT_CONFIG_FILE, PROJECT_DIR, Config, UserError, load_config, parse_args
+from config import (
+    DEFAULT_CONFIG_FILE,
+    PROJECT_DIR,
+    Config,
+    UserError,
+    given_keys,
+    load_config,
+    lookup,
+    parse_args,
+)
+
+
+def flat(node: dict, prefix: str = "") -> dict:
+    items = {}
+    for key, value in node.items():
+        items.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict)
+                     else {f"{prefix}{key}": value})
+    return items
 
 
 def test_yaml_shows_exactly_the_schema_defaults():
     # One source of defaults: the YAML may not add, drop or change any value of the schema.
-    schema = OmegaConf.to_container(OmegaConf.structured(Config))
-    assert OmegaConf.to_container(OmegaConf.load(DEFAULT_CONFIG_FILE)) == schema
+    schema = flat(OmegaConf.to_container(OmegaConf.structured(Config)))
+    shown = flat(OmegaConf.to_container(OmegaConf.load(DEFAULT_CONFIG_FILE)))
+    differ = [f"{key}: {shown.get(key, '(missing)')} in the YAML, {schema.get(key, '(none)')} "
+              "in config.py" for key in sorted(schema.keys() | shown.keys())
+              if schema.get(key, "(none)") != shown.get(key, "(missing)")]
+    assert not differ, "configs/default.yaml and config.py differ: " + "; ".join(differ)
 
 
 def test_overrides_are_typed_and_applied():
@@ -39,7 +60,9 @@ def test_config_file_and_launcher_flags(tmp_path):
         (["train.epochs=abc"], None, "train.epochs=abc is not valid"),
         (["train.epochs=2.5"], None, "must be a whole number"),
         (["train.epochs=0"], None, "train.epochs=0 is not valid"),
-        (["data.dataset=mnist"], None, "choose one of digits, synthetic"),
+        (["eval.split=train"], None, "choose one of test, val"),
+        (["eval.binned_thresholds=100", "eval.save_predictions=true"], None,
+         "eval.save_predictions=true needs every sample's row"),
         (["train=3"], None, "train is a section"),
         (["epochs"], None, "not a key=value override"),
         (["--bogus"], None, "unknown option --bogus"),
@@ -72,3 +95,26 @@ def test_preflight_cli_is_one_line_and_fast_to_import():
     imported = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT_DIR, text=True,
                               capture_output=True, check=True)
     assert imported.stdout.strip() == "False"
+
+
+def test_given_keys_are_the_overrides_and_a_custom_files_keys(tmp_path):
+    custom = tmp_path / "exp.yaml"
+    custom.write_text("model:\n  hidden_dim: 64\ndata:\n  root: /data/x\n")
+    assert given_keys(["optim.lr=0.1", "--config", str(custom)]) == [
+        "model.hidden_dim", "data.root", "optim.lr"]
+    assert given_keys(["--config", str(DEFAULT_CONFIG_FILE)]) == []  # the defaults: none given
+
+
+def test_lookup_by_registry_key_module_or_file(tmp_path):
+    registry = {"a": 1}
+    assert lookup(registry, "a", "data.dataset", "a dataset") == 1
+    assert lookup(registry, "math:pi", "data.dataset", "a dataset") > 3.14
+    source = tmp_path / "my_builders_for_lookup.py"
+    source.write_text("def build(cfg):\n    return 'built'\n")
+    assert lookup(registry, f"{source}:build", "data.dataset", "a dataset")(None) == "built"
+    with pytest.raises(UserError, match="data.dataset=b is not a dataset: choose one of a"):
+        lookup(registry, "b", "data.dataset", "a dataset")
+    with pytest.raises(UserError, match="cannot import it"):
+        lookup(registry, f"{source}:missing", "data.dataset", "a dataset")
+    with pytest.raises(UserError, match="no such file"):
+        lookup(registry, "nowhere/none.py:build", "model.name", "a model")

@@ -1,11 +1,11 @@
-"""The data module in one process: splits, per-rank batch size, evaluation shards."""
+"""The data module in one process: splits, per-rank batch size, evaluation shards, batches."""
 
 import pytest
 import torch
 
 from config import load_config
-from conftest import TINY, TINY_SPLIT
-from data import DataModule, EvalShardSampler
+from conftest import TINY, TINY_SPLIT, fixture
+from data import DataModule, EvalShardSampler, TensorSamples, count_samples, to_device
 from dist_utils import DistEnv
 
 
@@ -23,25 +23,38 @@ def test_splits_are_fixed_and_batch_is_divided():
     first = DataModule(cfg, DistEnv(0, 0, 3, True), cpu)
     again = DataModule(cfg, DistEnv(2, 2, 3, True), cpu)
     assert {k: len(v) for k, v in first.datasets.items()} == TINY_SPLIT
-    assert torch.equal(first.datasets["test"].tensors[0], again.datasets["test"].tensors[0])
+    assert torch.equal(first.datasets["test"].inputs, again.datasets["test"].inputs)
     assert first.batch_size_per_rank == cfg.train.global_batch_size // 3
     assert first.steps_per_epoch == TINY_SPLIT["train"] // cfg.train.global_batch_size
+    labels = torch.cat([first.datasets[s].targets for s in ("train", "val", "test")])
+    assert sorted(labels.bincount().tolist()) == [88] * 4  # stratified: every class whole
 
 
-def test_digits_is_the_default_dataset():
-    data = DataModule(load_config([]), DistEnv(0, 0, 1, False), torch.device("cpu"))
-    assert sum(len(d) for d in data.datasets.values()) == 1797  # scikit-learn's digits
-    assert (data.input_shape, data.task.kind, data.task.num_outputs) == ((1, 8, 8),
-                                                                         "classification", 10)
+def test_augmentation_is_for_the_training_split_only_and_can_be_switched_off():
+    noisy = [*TINY, f"data.dataset={fixture('noisy_vectors')}"]
+    data = DataModule(load_config(noisy), DistEnv(0, 0, 1, False), torch.device("cpu"))
+    train, test = data.datasets["train"], data.datasets["test"]
+    assert not torch.equal(train[[0, 1]][0], train.inputs[[0, 1]])  # augmented
+    assert torch.equal(test[[0, 1]][0], test.inputs[[0, 1]])
+    off = DataModule(load_config([*noisy, "data.augment=false"]), DistEnv(0, 0, 1, False),
+                     torch.device("cpu"))
+    assert torch.equal(off.datasets["train"][[0, 1]][0], off.datasets["train"].inputs[[0, 1]])
 
 
-def test_diabetes_is_regression_in_the_original_units():
-    data = DataModule(load_config(["data.dataset=diabetes"]), DistEnv(0, 0, 1, False),
-                      torch.device("cpu"))
-    assert sum(len(d) for d in data.datasets.values()) == 442
-    assert (data.task.kind, data.task.num_outputs) == ("regression", 1)
-    train_targets = data.datasets["train"].tensors[1]
-    assert abs(train_targets.mean().item()) < 1e-5  # standardised for training ...
-    restored = data.task.originals(train_targets)
-    assert restored.min().item() == pytest.approx(25, abs=1e-4)  # ... reported in the data's
-    assert restored.max().item() <= 346 + 1e-4  # own units (disease progression, 25..346)
+def test_batches_of_tuples_and_dicts_move_whole():
+    batch = {"features": torch.ones(3, 2), "extra": (torch.zeros(3), [torch.ones(3)]),
+             "name": "kept"}
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved["name"] == "kept" and isinstance(moved["extra"], tuple)
+    assert count_samples(moved) == 3 and count_samples((torch.ones(5, 1), torch.ones(5))) == 5
+    samples = TensorSamples(torch.arange(6.0)[:, None], torch.arange(6))
+    assert samples[2][0].shape == (1,) and samples[[1, 2]][0].shape == (2, 1)
+
+
+def test_a_dataset_that_does_not_build_splits_is_one_line(tmp_path):
+    source = tmp_path / "broken_data_for_test.py"
+    source.write_text("def build(cfg):\n    return [1, 2, 3]\n")
+    from config import UserError
+    with pytest.raises(UserError, match="its builder must return data.Splits, not list"):
+        DataModule(load_config([*TINY, f"data.dataset={source}:build"]), DistEnv(0, 0, 1, False),
+                   torch.device("cpu"))

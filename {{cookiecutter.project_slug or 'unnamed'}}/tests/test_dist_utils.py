@@ -1,4 +1,5 @@
-"""dist_utils in one process: environment parsing, state-dict keys, checkpoint safety."""
+"""dist_utils and checkpoint in one process: environment parsing, state-dict keys, checkpoint
+safety, run folders."""
 
 import os
 import zipfile
@@ -6,10 +7,12 @@ import zipfile
 import pytest
 import torch
 
+import checkpoint
 import dist_utils
-from config import UserError
-from conftest import RunsCode
-from model import MLP, unwrap
+from config import UserError, load_config
+from conftest import TINY, RunsCode
+from fixtures import MLP
+from parallel import unwrap
 
 
 def test_single_process_fallback(monkeypatch):
@@ -33,38 +36,38 @@ def test_torchrun_environment(monkeypatch):
 def test_state_dict_keys_carry_no_wrapper_prefixes():
     model = MLP(4, 3, 8, 1, 0.0, batchnorm=False)
     wrapped = {f"module._orig_mod.{k}": v for k, v in model.state_dict().items()}
-    assert dist_utils.clean_state_dict(wrapped).keys() == model.state_dict().keys()
+    assert checkpoint.clean_state_dict(wrapped).keys() == model.state_dict().keys()
     assert unwrap(torch.compile(model)) is model
 
 
 def test_save_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.pt"
-    dist_utils.save_checkpoint({"model": {"w": torch.ones(2)}}, path)
+    checkpoint.save_checkpoint({"model": {"w": torch.ones(2)}}, path)
 
     def write_half_then_fail(obj, handle):
         handle.write(b"PK\x03\x04 partial bytes")
         raise OSError("disk full")
 
-    monkeypatch.setattr(dist_utils.torch, "save", write_half_then_fail)
+    monkeypatch.setattr(checkpoint.torch, "save", write_half_then_fail)
     with pytest.raises(OSError):
-        dist_utils.save_checkpoint({"model": {"w": torch.zeros(2)}}, path)
-    assert torch.equal(dist_utils.load_checkpoint(path)["model"]["w"], torch.ones(2))
+        checkpoint.save_checkpoint({"model": {"w": torch.zeros(2)}}, path)
+    assert torch.equal(checkpoint.load_checkpoint(path)["model"]["w"], torch.ones(2))
     assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left behind
 
 
 def test_missing_truncated_and_foreign_checkpoints(tmp_path):
     with pytest.raises(UserError, match="checkpoint not found"):
-        dist_utils.load_checkpoint(tmp_path / "nope.pt")
+        checkpoint.load_checkpoint(tmp_path / "nope.pt")
     good = tmp_path / "good.pt"
-    dist_utils.save_checkpoint({"model": {"w": torch.ones(1000)}}, good)
+    checkpoint.save_checkpoint({"model": {"w": torch.ones(1000)}}, good)
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     with pytest.raises(UserError, match="truncated or not a PyTorch checkpoint"):
-        dist_utils.load_checkpoint(truncated)
+        checkpoint.load_checkpoint(truncated)
     other = tmp_path / "other.pt"
     torch.save({"weights": torch.ones(1)}, other)
     with pytest.raises(UserError, match="not a checkpoint of this project"):
-        dist_utils.load_checkpoint(other)
+        checkpoint.load_checkpoint(other)
 
 
 def test_checkpoint_that_would_run_code_is_refused(tmp_path):
@@ -73,8 +76,22 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path):
     torch.save({"model": {}, "payload": RunsCode(marker)}, evil)
     assert zipfile.is_zipfile(evil)
     with pytest.raises(UserError, match="refusing to load checkpoint"):
-        dist_utils.load_checkpoint(evil)
+        checkpoint.load_checkpoint(evil)
     assert not marker.exists()
     # The same file does run code when loaded unsafely: the refusal above is what saved us.
     torch.load(evil, weights_only=False)
     assert marker.exists()
+
+
+def test_a_run_folder_the_job_made_and_never_used_is_removed(tmp_path):
+    env = dist_utils.DistEnv(0, 0, 1, False)
+    cfg = load_config([*TINY, f"run.output_dir={tmp_path / 'runs'}"])
+    run = checkpoint.open_run_dir(cfg, env)
+    assert run.created and run.path.is_dir()
+    run.discard_if_unused()
+    assert list((tmp_path / "runs").iterdir()) == []
+    given = tmp_path / "mine"
+    given.mkdir()
+    kept = checkpoint.open_run_dir(load_config([*TINY, f"run.dir={given}"]), env)
+    kept.discard_if_unused()  # it existed before: not this job's to remove
+    assert given.is_dir()

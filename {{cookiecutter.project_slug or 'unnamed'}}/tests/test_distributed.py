@@ -9,18 +9,18 @@ import torch
 from sklearn.metrics import (
     accuracy_score,
     average_precision_score,
+    f1_score,
     mean_absolute_error,
     precision_recall_curve,
+    precision_score,
+    r2_score,
+    recall_score,
+    roc_auc_score,
     root_mean_squared_error,
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TINY, TINY_SPLIT, only_run_dir, run, torchrun
-
-# Diabetes (442 samples) with the default fractions: 89 test samples, divisible by neither 2 nor 3.
-DIABETES = ["data.dataset=diabetes", "train.epochs=8", "train.global_batch_size=32",
-            "train.progress_bar=false", "optim.lr=0.01"]
-DIABETES_TEST = 89
+from conftest import TINY, TINY_SPLIT, fixture, only_run_dir, run, torchrun
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -52,7 +52,7 @@ def evaluate_with(run_dir, out, nproc: int, *extra: str) -> dict:
     assert result.returncode == 0, result.stdout
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == nproc
-    curves = out / "pr_curves.json"
+    curves = out / "curves.json"
     return {"metrics": metrics,
             "curves": json.loads(curves.read_text()) if curves.exists() else None}
 
@@ -94,13 +94,9 @@ def test_classification_trains_with_run_sh_and_evaluates_exactly(tmp_path, tiny_
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
 
     # The same checkpoint evaluated by 1, 2 and 3 processes: the same numbers, curves included.
-    runs = {n: evaluate_with(run_dir, tmp_path / f"eval{n}", n, "eval.save_predictions=true")
-            for n in (1, 2, 3)}
-    for n in (2, 3):
-        assert_same_numbers(runs[n]["metrics"], runs[1]["metrics"])
-        assert_same_numbers(runs[n]["curves"], runs[1]["curves"])
+    runs = evaluate_at_1_2_3(tmp_path, run_dir)
     metrics = runs[1]["metrics"]
-    assert metrics["num_samples"] == TINY_SPLIT["test"] and metrics["accuracy"] > 0.8
+    assert metrics["accuracy"] > 0.8
 
     # scikit-learn as the oracle, on the one-process predictions.
     saved_predictions = np.load(tmp_path / "eval1" / "predictions.npz")
@@ -111,12 +107,14 @@ def test_classification_trains_with_run_sh_and_evaluates_exactly(tmp_path, tiny_
         ap = average_precision_score(labels == cls, probs[:, cls])
         assert metrics["average_precision_per_class"][cls] == pytest.approx(ap, abs=1e-6)
         precision, recall, thresholds = precision_recall_curve(labels == cls, probs[:, cls])
-        curve = runs[3]["curves"][cls]  # the three-process curve, against sklearn's
+        curve = runs[3]["curves"]["pr"][str(cls)]  # the three-process curve, against sklearn's
         np.testing.assert_allclose(curve["precision"], precision, atol=1e-6)
         np.testing.assert_allclose(curve["recall"], recall, atol=1e-6)
         np.testing.assert_allclose(curve["thresholds"], thresholds, atol=1e-6)
     macro = np.mean([average_precision_score(labels == c, probs[:, c]) for c in range(4)])
     assert metrics["average_precision_macro"] == pytest.approx(macro, abs=1e-6)
+    micro = average_precision_score(np.eye(4)[labels].ravel(), probs.ravel())
+    assert metrics["average_precision_micro"] == pytest.approx(micro, abs=1e-9)
 
     # Outputs a person and TensorBoard can open.
     png = tmp_path / "eval3" / "pr_curves.png"
@@ -128,22 +126,64 @@ def test_classification_trains_with_run_sh_and_evaluates_exactly(tmp_path, tiny_
     assert "test/accuracy" in tags["scalars"] or "test/accuracy" in tags["tensors"]
 
 
-def test_regression_evaluates_exactly(tmp_path):
-    result = run([sys.executable, "train.py", *DIABETES, f"run.output_dir={tmp_path / 'runs'}"])
+def trained_run(tmp_path, dataset: str, nproc: int = 1):
+    """A short training run on one of the tests' datasets; returns its folder."""
+    command = ([sys.executable, "train.py"] if nproc == 1 else ["./run.sh"])
+    result = run([*command, *TINY, f"data.dataset={fixture(dataset)}", "train.epochs=4",
+                  f"run.output_dir={tmp_path / 'runs'}"], NPROC_PER_NODE=str(nproc))
     assert result.returncode == 0, result.stdout
-    assert "regression, 1 outputs" in result.stdout
-    run_dir = only_run_dir(tmp_path / "runs")
+    return only_run_dir(tmp_path / "runs")
+
+
+def evaluate_at_1_2_3(tmp_path, run_dir) -> dict:
     runs = {n: evaluate_with(run_dir, tmp_path / f"eval{n}", n, "eval.save_predictions=true")
             for n in (1, 2, 3)}
     for n in (2, 3):
         assert_same_numbers(runs[n]["metrics"], runs[1]["metrics"])
-    metrics = runs[1]["metrics"]
-    assert metrics["num_samples"] == DIABETES_TEST
+        assert_same_numbers(runs[n]["curves"], runs[1]["curves"])
+    assert runs[1]["metrics"]["num_samples"] == TINY_SPLIT["test"]
+    return runs
+
+
+def test_binary_evaluates_exactly(tmp_path):
+    run_dir = trained_run(tmp_path, "binary_vectors")
+    runs = evaluate_at_1_2_3(tmp_path, run_dir)
+    metrics, curves = runs[1]["metrics"], runs[3]["curves"]
+    saved = np.load(tmp_path / "eval1" / "predictions.npz")
+    scores, labels = saved["predictions"], saved["targets"]
+    assert scores.shape == (TINY_SPLIT["test"],) and set(labels) == {0, 1}
+    assert metrics["average_precision"] == pytest.approx(
+        average_precision_score(labels, scores), abs=1e-9)
+    assert metrics["roc_auc"] == pytest.approx(roc_auc_score(labels, scores), abs=1e-9)
+    precision, recall, thresholds = precision_recall_curve(labels, scores)
+    np.testing.assert_allclose(curves["pr"]["precision"], precision, atol=1e-12)
+    np.testing.assert_allclose(curves["pr"]["recall"], recall, atol=1e-12)
+    # Scores from 3 processes against 1 process's: the same model, but float32 matmuls over
+    # other batch compositions round differently (a few 1e-7 relative).
+    np.testing.assert_allclose(curves["pr"]["thresholds"], thresholds, rtol=1e-5, atol=1e-12)
+    # The decision threshold is the best-F1 one of the val split, applied to the test split.
+    val = evaluate_with(run_dir, tmp_path / "val", 2, "eval.split=val")["metrics"]
+    assert metrics["threshold"] == val["threshold"]
+    predicted = scores >= metrics["threshold"]
+    assert metrics["f1"] == pytest.approx(f1_score(labels, predicted), abs=1e-12)
+    assert metrics["precision"] == pytest.approx(precision_score(labels, predicted), abs=1e-12)
+    assert metrics["recall"] == pytest.approx(recall_score(labels, predicted), abs=1e-12)
+    assert metrics["average_precision"] > 0.8  # it learned
+    png = tmp_path / "eval3" / "pr_curve.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_regression_evaluates_exactly(tmp_path):
+    run_dir = trained_run(tmp_path, "regression_vectors")
+    metrics = evaluate_at_1_2_3(tmp_path, run_dir)[1]["metrics"]
     saved = np.load(tmp_path / "eval1" / "predictions.npz")
     predictions, targets = saved["predictions"], saved["targets"]
-    assert metrics["mae"] == pytest.approx(mean_absolute_error(targets, predictions), rel=1e-6)
-    assert metrics["rmse"] == pytest.approx(root_mean_squared_error(targets, predictions), rel=1e-6)
-    assert metrics["mae"] < 60  # in the data's own units (targets 25..346): it learned
+    assert targets.min() > 20  # the data's own units, not the standardised ones
+    assert metrics["mae"] == pytest.approx(mean_absolute_error(targets, predictions), rel=1e-9)
+    assert metrics["rmse"] == pytest.approx(root_mean_squared_error(targets, predictions),
+                                            rel=1e-9)
+    assert metrics["r2"] == pytest.approx(r2_score(targets, predictions), rel=1e-9)
+    assert metrics["r2"] > 0.5  # it learned
 
 
 def test_padding_sampler_would_bias_the_metrics(tmp_path):

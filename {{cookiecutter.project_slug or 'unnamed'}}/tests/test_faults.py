@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint import list_checkpoints
 from conftest import TINY, RunsCode, command_env, only_run_dir, run, torchrun
-from dist_utils import list_checkpoints
 
 PROJECT = Path(__file__).resolve().parents[1]
 # 190 optimizer steps, dropout on (the default 0.1): an exact resume needs the RNG states too.

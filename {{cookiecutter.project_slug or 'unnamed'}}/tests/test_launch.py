@@ -7,8 +7,8 @@ import time
 
 import torch
 
+from checkpoint import list_checkpoints
 from conftest import PROJECT, TINY, command_env, run
-from dist_utils import list_checkpoints
 
 
 def free_port() -> int:

@@ -7,16 +7,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from checkpoint import load_checkpoint
 from config import load_config
-from conftest import TINY, TINY_SPLIT, only_run_dir, torchrun
+from conftest import IMAGES, TINY, TINY_SPLIT, only_run_dir, torchrun
 from data import DataModule
-from dist_utils import DistEnv, load_checkpoint
-from model import build_model
+from dist_utils import DistEnv
+from parallel import build_model
 from speed import FLOAT32, Speed, grad_scaler
+from tasks import build_task
 from train import train_step
 
-IMAGES = ["data.dataset=images", "data.image_size=12", "model.name=cnn", "model.channels=8",
-          "model.num_layers=1"]
 STEPS_PER_EPOCH = TINY_SPLIT["train"] // 12  # TINY's global batch
 
 
@@ -34,31 +34,33 @@ def test_whole_batch_indexing_gives_the_samplers_batches():
         assert all(torch.equal(a, b) for a, b in zip(batch, reference, strict=True))
     shard = data.eval_loader("test").sampler.sampler  # this rank's block of the test split
     inputs = torch.cat([x for x, _ in data.eval_loader("test")])
-    assert torch.equal(inputs, data.datasets["test"].tensors[0][shard.start:shard.end])
+    assert torch.equal(inputs, data.datasets["test"].inputs[shard.start:shard.end])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mixed_precision_step_clips_the_unscaled_gradients(dtype):
     cfg = load_config([*TINY, "optim.grad_clip=0.01"])
     data = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
+    task = build_task(cfg, data.splits)
     batches = next(data.train_steps(0))
 
     def one_step(speed: Speed, clip: float):
         torch.manual_seed(0)
-        model = build_model(cfg.model, data.input_shape, data.task.num_outputs)
+        shape = task.input_shape(data.datasets["train"][0])
+        model = build_model(cfg.model, shape, task.num_outputs)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # keep the weights
         scaler = grad_scaler(speed, torch.device("cpu"))
-        stats, norm = train_step(model, optimizer, batches, data.task, torch.device("cpu"),
-                                 speed, scaler, clip)
+        values, _, norm = train_step(model, optimizer, batches, task, torch.device("cpu"),
+                                     speed, scaler, clip)
         clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-        return stats, norm, clipped, scaler
+        return values, norm, clipped, scaler
 
     _, exact_norm, _, _ = one_step(FLOAT32, 1e9)
     speed = Speed(dtype, channels_last=False, compile=False, compile_mode="default",
                   fused_adamw=False)
     stats, norm, clipped, scaler = one_step(speed, 0.01)
     assert (scaler is not None) == (dtype == torch.float16)  # loss scaling for fp16 only
-    assert math.isfinite(stats[0].item())
+    assert math.isfinite(stats["loss"].item())
     # The norm is that of the true gradients (unscaled: a scaled one would be ~65536x) ...
     assert norm.item() == pytest.approx(exact_norm.item(), rel=0.05)
     assert norm.item() > 0.01

@@ -1,0 +1,152 @@
+"""The tests' own data, models and task: small, fast, and independent of the examples in
+data_sources.py and model.py, so the tests keep checking the plumbing after you replace those.
+
+Runs name them by file: data.dataset=tests/fixtures.py:vectors model.name=tests/fixtures.py:mlp.
+"""
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from data import Splits, array_splits
+from tasks import MulticlassTask
+
+SAMPLES = 352  # -> 228 train (divisible by 1, 2, 3, 4, 6), 53 val, 71 test (neither by 2 nor 3)
+
+
+def clusters(seed: int, samples: int = SAMPLES, features: int = 16, classes: int = 4):
+    """Gaussian clusters, one per class, around random corners of a hypercube."""
+    rng = np.random.default_rng(seed)
+    centres = 2.0 * rng.choice([-1.0, 1.0], size=(classes, features))
+    labels = rng.permutation(np.arange(samples) % classes)
+    inputs = centres[labels] + 1.5 * rng.standard_normal((samples, features))
+    return inputs.astype(np.float32), labels.astype(np.int64)
+
+
+def vectors(cfg) -> Splits:
+    """4 classes of 16-dimensional vectors (multiclass)."""
+    return array_splits(cfg, *clusters(cfg.split_seed), task="multiclass")
+
+
+def binary_vectors(cfg) -> Splits:
+    """Two overlapping classes, 1 in 4 positive (binary)."""
+    inputs, labels = clusters(cfg.split_seed)
+    return array_splits(cfg, inputs, (labels == 0).astype(np.int64), task="binary")
+
+
+def regression_vectors(cfg) -> Splits:
+    """A noisy nonlinear function of the vectors, in units far from 0 (regression)."""
+    inputs, _ = clusters(cfg.split_seed)
+    weights = np.random.default_rng(1).standard_normal(inputs.shape[1])
+    targets = 50 + 20 * np.tanh(inputs @ weights / 4) + np.random.default_rng(2).normal(
+        0, 2, len(inputs))
+    return array_splits(cfg, inputs, targets.astype(np.float32), task="regression")
+
+
+def add_noise(batch: torch.Tensor) -> torch.Tensor:
+    return batch + 0.1 * torch.randn_like(batch)
+
+
+def noisy_vectors(cfg) -> Splits:
+    """vectors with a random training-split augmentation (data.augment)."""
+    return array_splits(cfg, *clusters(cfg.split_seed), "multiclass", train_transform=add_noise)
+
+
+def images(cfg) -> Splits:
+    """4 classes of noisy 3x12x12 colour patterns (multiclass, image-shaped)."""
+    rng = np.random.default_rng(cfg.split_seed)
+    labels = rng.permutation(np.arange(SAMPLES) % 4)
+    patterns = rng.standard_normal((4, 3, 3, 3)).repeat(4, 2).repeat(4, 3)
+    pixels = 0.7 * patterns[labels] + rng.standard_normal((SAMPLES, 3, 12, 12))
+    return array_splits(cfg, pixels.astype(np.float32), labels, "multiclass")
+
+
+class DictSamples(Dataset):
+    """Samples as dicts, read one at a time: {"features", "target"}."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
+        self.inputs, self.targets = inputs, targets
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"features": self.inputs[index], "target": self.targets[index]}
+
+
+def dict_vectors(cfg) -> Splits:
+    """vectors as dict samples, loaded sample by sample (no whole-batch indexing)."""
+    splits = vectors(cfg)
+    for name in ("train", "val", "test"):
+        part = getattr(splits, name)
+        setattr(splits, name, DictSamples(part.inputs, part.targets))
+    return splits
+
+
+class MLP(nn.Module):
+    def __init__(self, inputs: int, outputs: int, hidden: int, layers: int, dropout: float,
+                 batchnorm: bool):
+        super().__init__()
+        stack: list[nn.Module] = []
+        for _ in range(layers):
+            stack.append(nn.Linear(inputs, hidden, bias=not batchnorm))
+            stack += [nn.BatchNorm1d(hidden)] if batchnorm else []
+            stack += [nn.ReLU(), nn.Dropout(dropout)]
+            inputs = hidden
+        self.net = nn.Sequential(*stack, nn.Linear(inputs, outputs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.flatten(1))
+
+
+def mlp(cfg, input_shape, num_outputs: int) -> nn.Module:
+    return MLP(int(np.prod(input_shape)), num_outputs, cfg.hidden_dim, cfg.num_layers,
+               cfg.dropout, cfg.batchnorm)
+
+
+class ConvNet(nn.Module):
+    def __init__(self, channels: int, width: int, outputs: int, batchnorm: bool):
+        super().__init__()
+        norm = [nn.BatchNorm2d(width)] if batchnorm else []
+        self.net = nn.Sequential(
+            nn.Conv2d(channels, width, 3, padding=1, bias=not batchnorm), *norm, nn.ReLU(),
+            nn.Conv2d(width, width, 3, stride=2, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, outputs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def convnet(cfg, input_shape, num_outputs: int) -> nn.Module:
+    return ConvNet(input_shape[0], cfg.channels, num_outputs, cfg.batchnorm)
+
+
+class DictModel(nn.Module):
+    """Reads a dict batch, returns a dict: logits, and an embedding the task regularises."""
+
+    def __init__(self, inputs: int, outputs: int, hidden: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU())
+        self.head = nn.Linear(hidden, outputs)
+
+    def forward(self, batch: dict) -> dict:
+        embedding = self.body(batch["features"])
+        return {"logits": self.head(embedding), "embedding": embedding}
+
+
+def dict_model(cfg, input_shape: dict, num_outputs: int) -> nn.Module:
+    return DictModel(input_shape["features"][0], num_outputs, cfg.hidden_dim)
+
+
+class TermsTask(MulticlassTask):
+    """multiclass with a second named loss term and one more logged scalar."""
+
+    def loss(self, outputs, batch):
+        return {"ce": super().loss(outputs, batch),
+                "embedding_l2": 1e-3 * outputs["embedding"].square().mean()}
+
+    def train_scalars(self, outputs, batch):
+        confidence = F.softmax(self.scores(outputs), dim=-1).amax(dim=-1).mean()
+        return {**super().train_scalars(outputs, batch), "confidence": confidence}

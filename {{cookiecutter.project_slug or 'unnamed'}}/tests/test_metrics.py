@@ -1,0 +1,309 @@
+"""metrics.py against scikit-learn on seeded random cases: ties, tiny splits, absent classes."""
+
+import time
+import warnings
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import sklearn.metrics as skm
+import torch
+
+import metrics
+
+# scikit-learn warns when a class is absent; those cases are tested on purpose.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::sklearn.exceptions.UndefinedMetricWarning"),
+    pytest.mark.filterwarnings("ignore:No positive class found:UserWarning"),
+    pytest.mark.filterwarnings("ignore:A single label was found:UserWarning"),
+]
+
+
+def make_case(seed: int, size: int, kind: str, rate: float | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores in [0, 1] that mildly predict the labels. kind: "continuous", "rounded" (2
+    decimals: ties) or "coarse" (5 levels: many ties)."""
+    generator = torch.Generator().manual_seed(seed)
+    rate = torch.rand((), generator=generator).item() if rate is None else rate
+    positive = torch.rand(size, generator=generator, dtype=torch.float64) < rate
+    noise = torch.randn(size, generator=generator, dtype=torch.float64)
+    scores = torch.sigmoid(positive.double() + noise)
+    if kind == "rounded":
+        scores = torch.round(scores, decimals=2)
+    elif kind == "coarse":
+        scores = torch.round(scores * 4) / 4
+    return scores, positive
+
+
+CASES = [(seed, size, kind, rate) for seed, size in enumerate([1, 2, 2, 3, 7, 50, 400])
+         for kind in ["continuous", "rounded", "coarse"] for rate in [None, 0.0, 1.0]]
+
+
+def case_id(case: tuple) -> str:
+    seed, size, kind, rate = case
+    return f"n{size}-{kind}-rate{rate}-s{seed}"
+
+
+def both_classes(positive: torch.Tensor) -> bool:
+    return bool(positive.any()) and bool((~positive).any())
+
+
+def assert_close(ours: torch.Tensor, theirs: np.ndarray) -> None:
+    assert ours.dtype == torch.float64
+    np.testing.assert_allclose(ours.numpy(), theirs, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_precision_recall_curve_and_average_precision(case):
+    scores, positive = make_case(*case)
+    precision, recall, thresholds = metrics.precision_recall_curve(scores, positive)
+    want_p, want_r, want_t = skm.precision_recall_curve(positive.numpy(), scores.numpy())
+    assert_close(precision, want_p)
+    assert_close(recall, want_r)
+    assert_close(thresholds, want_t)
+    assert len(precision) == len(recall) == len(thresholds) + 1
+    want_ap = skm.average_precision_score(positive.numpy(), scores.numpy())
+    assert metrics.average_precision(precision, recall) == pytest.approx(want_ap, abs=1e-12)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_roc_curve_and_auc(case):
+    scores, positive = make_case(*case)
+    fpr, tpr, thresholds = metrics.roc_curve(scores, positive)
+    want = skm.roc_curve(positive.numpy(), scores.numpy(), drop_intermediate=False)
+    for ours, theirs in zip((fpr, tpr, thresholds), want, strict=True):
+        assert_close(ours, theirs)  # nan rates of an absent class compare equal
+    auc = metrics.roc_auc(fpr, tpr)
+    if both_classes(positive):
+        assert auc == pytest.approx(skm.roc_auc_score(positive.numpy(), scores.numpy()),
+                                    abs=1e-12)
+    else:
+        assert np.isnan(auc)
+
+
+def test_empty_split_curves():
+    empty = torch.zeros(0, dtype=torch.float64)
+    precision, recall, thresholds = metrics.precision_recall_curve(empty, empty.bool())
+    assert precision.tolist() == [1.0] and recall.tolist() == [0.0] and len(thresholds) == 0
+    assert metrics.average_precision(precision, recall) == 0.0
+    fpr, tpr, thresholds = metrics.roc_curve(empty, empty.bool())
+    assert thresholds.tolist() == [float("inf")]
+    assert np.isnan(metrics.roc_auc(fpr, tpr))
+
+
+@pytest.mark.parametrize("case", CASES[::2], ids=case_id)
+def test_counts_at_threshold(case):
+    scores, positive = make_case(*case)
+    # Scores themselves (ties at the threshold), between them, and beyond both ends.
+    candidates = torch.cat([scores[:5], torch.tensor([-1.0, 0.0, 0.333, 0.5, 1.0, 2.0])])
+    for threshold in candidates.tolist():
+        got = metrics.counts_at_threshold(scores, positive, threshold)
+        y, predicted = positive.numpy(), (scores >= threshold).numpy()
+        tn, fp, fn, tp = skm.confusion_matrix(y, predicted, labels=[False, True]).ravel()
+        assert (got["tp"], got["fp"], got["fn"], got["tn"]) == (tp, fp, fn, tn)
+        assert all(isinstance(got[key], int) for key in ("tp", "fp", "fn", "tn"))
+        for key, score in [("precision", skm.precision_score), ("recall", skm.recall_score),
+                           ("f1", skm.f1_score)]:
+            want = score(y, predicted, zero_division=0)
+            assert got[key] == pytest.approx(want, abs=1e-12), key
+        assert got["accuracy"] == pytest.approx(skm.accuracy_score(y, predicted), abs=1e-12)
+
+
+def best_f1_brute_force(scores: torch.Tensor, positive: torch.Tensor) -> float:
+    """Exact F1 (fractions) at every distinct score; ties to the highest threshold."""
+    best, best_threshold = Fraction(0), 0.5
+    for threshold in sorted(set(scores.tolist())):
+        counts = metrics.counts_at_threshold(scores, positive, threshold)
+        tp, fp, fn = counts["tp"], counts["fp"], counts["fn"]
+        f1 = Fraction(2 * tp, 2 * tp + fp + fn) if tp else Fraction(0)
+        if f1 > 0 and f1 >= best:
+            best, best_threshold = f1, threshold
+    return best_threshold
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_best_f1_threshold(case):
+    scores, positive = make_case(*case)
+    curve = metrics.precision_recall_curve(scores, positive)
+    got = metrics.best_f1_threshold(*curve)
+    assert got == best_f1_brute_force(scores, positive)
+    if not positive.any():
+        assert got == 0.5
+
+
+def test_best_f1_threshold_ties_and_no_threshold():
+    scores = torch.tensor([0.9, 0.8, 0.3, 0.2], dtype=torch.float64)
+    # F1 at 0.9: 2/3 (tp 1, fn 1), 0.8: 1/2, 0.3: 4/5 (tp 2, fp 1), 0.2: 2/3 (tp 2, fp 2).
+    positive = torch.tensor([True, False, True, False])
+    assert metrics.best_f1_threshold(*metrics.precision_recall_curve(scores, positive)) == 0.3
+    # F1 at 0.9: 2/3 (tp 1, fn 1), 0.8: 1/2, 0.3: 2/5, 0.2: 2/3 (tp 2, fp 2): a tie.
+    positive = torch.tensor([True, False, False, True])
+    assert metrics.best_f1_threshold(*metrics.precision_recall_curve(scores, positive)) == 0.9
+    empty = torch.zeros(0, dtype=torch.float64)
+    assert metrics.best_f1_threshold(empty, empty, empty) == 0.5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_confusion_matrix(seed):
+    generator = torch.Generator().manual_seed(seed)
+    classes = [1, 2, 5, 10][seed]
+    size = [1, 2, 30, 500][seed]
+    labels = torch.randint(classes, (size,), generator=generator)
+    predicted = torch.randint(classes, (size,), generator=generator)
+    got = metrics.confusion_matrix(labels, predicted, classes)
+    assert got.dtype == torch.long and got.shape == (classes, classes)
+    want = skm.confusion_matrix(labels.numpy(), predicted.numpy(), labels=range(classes))
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def check_thinned(x: torch.Tensor, y: torch.Tensor, max_points: int) -> torch.Tensor:
+    kept = metrics.thin_curve(x, y, max_points)
+    assert kept.dtype == torch.long
+    assert len(kept) <= max_points
+    assert kept[0] == 0 and kept[-1] == len(x) - 1
+    assert bool((kept[1:] > kept[:-1]).all())  # sorted and unique
+    if len(x) <= max_points:
+        assert kept.tolist() == list(range(len(x)))
+    return kept
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 10, 11, 1000])
+@pytest.mark.parametrize("max_points", [2, 3, 10])
+def test_thin_curve_properties(size, max_points):
+    generator = torch.Generator().manual_seed(size * 100 + max_points)
+    x = torch.rand(size, generator=generator, dtype=torch.float64).sort().values
+    y = torch.rand(size, generator=generator, dtype=torch.float64)
+    check_thinned(x, y, max_points)
+
+
+def test_thin_curve_degenerate_and_invalid():
+    flat = torch.zeros(50, dtype=torch.float64)  # no path length at all
+    assert check_thinned(flat, flat, 5).tolist() == [0, 49]
+    # A run of repeated last points must not push the count over max_points.
+    x = torch.cat([torch.linspace(0, 1, 100, dtype=torch.float64), torch.ones(20)])
+    check_thinned(x, x, 10)
+    nan = torch.full((30,), float("nan"), dtype=torch.float64)  # ROC rates of an absent class
+    check_thinned(nan, torch.linspace(0, 1, 30, dtype=torch.float64), 4)
+    with pytest.raises(ValueError):
+        metrics.thin_curve(flat, flat, 1)
+
+
+def step_error(y: torch.Tensor, kept: torch.Tensor) -> float:
+    """Largest |y| gap between each original point and the kept point at or before it: the
+    distance between the original step curve and the thinned one."""
+    before = kept[torch.searchsorted(kept, torch.arange(len(y)), right=True) - 1]
+    return (y - y[before]).abs().max().item()
+
+
+def test_thin_keeps_shape_of_large_curves_fast():
+    scores, positive = make_case(0, 40_000, "continuous", rate=0.3)
+    precision, recall, thresholds = metrics.precision_recall_curve(scores, positive)
+    fpr, tpr, _ = metrics.roc_curve(scores, positive)
+    assert len(precision) > 39_000
+    kept = check_thinned(recall, precision, 200)
+    assert len(kept) > 150  # the budget is mostly used
+    assert step_error(precision, kept) < 0.05 and step_error(recall, kept) < 0.05
+    kept_roc = check_thinned(fpr, tpr, 200)
+    assert step_error(tpr, kept_roc) < 0.05 and step_error(fpr, kept_roc) < 0.05
+    curves = [(recall, precision), (fpr, tpr)] * 50  # 100 curves of 40,000 points
+    start = time.perf_counter()
+    for x, y in curves:
+        metrics.thin_curve(x, y, 200)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_thin_aligns_pr_thresholds():
+    scores, positive = make_case(3, 3000, "rounded", rate=0.4)
+    scores = scores + torch.rand(3000, generator=torch.Generator().manual_seed(1)) * 1e-3
+    precision, recall, thresholds = metrics.precision_recall_curve(scores, positive)
+    curve = {"precision": precision, "recall": recall, "thresholds": thresholds}
+    thinned = metrics.thin(curve, "recall", "precision", 50)
+    kept = metrics.thin_curve(recall, precision, 50)
+    assert thinned["precision"] == precision[kept].tolist()
+    assert thinned["recall"] == recall[kept].tolist()
+    assert len(thinned["thresholds"]) == len(thinned["precision"]) - 1
+    assert thinned["precision"][-1] == 1.0 and thinned["recall"][-1] == 0.0
+    assert all(isinstance(value, float) for value in thinned["thresholds"])
+    # Point k of the thinned curve is still the classifier score >= thresholds[k].
+    for k, threshold in enumerate(thinned["thresholds"]):
+        counts = metrics.counts_at_threshold(scores, positive, threshold)
+        assert counts["precision"] == pytest.approx(thinned["precision"][k], abs=1e-12)
+        assert counts["recall"] == pytest.approx(thinned["recall"][k], abs=1e-12)
+    # A short curve is kept whole; ROC thresholds are as long as the rates.
+    fpr, tpr, roc_thresholds = metrics.roc_curve(scores[:20], positive[:20])
+    roc = metrics.thin({"fpr": fpr, "tpr": tpr, "thresholds": roc_thresholds}, "fpr", "tpr", 50)
+    assert roc["thresholds"] == roc_thresholds.tolist() and roc["fpr"] == fpr.tolist()
+    with pytest.raises(ValueError):
+        metrics.thin({"x": fpr, "y": tpr, "bad": fpr[:-3]}, "x", "y", 5)
+
+
+def test_binned_counts_bins_and_additivity():
+    bins = 100
+    scores = torch.tensor([0.0, 0.29, 0.999, 1.0, -0.5, 1.7, 0.005], dtype=torch.float64)
+    positive = torch.tensor([True, False, True, True, False, True, False])
+    counts = metrics.binned_counts(scores, positive, bins)
+    assert counts.dtype == torch.float64 and counts.shape == (2, bins)
+    assert counts.sum() == len(scores)
+    assert counts[0, 0] == 1 and counts[1, 0] == 2  # 0.0, then -0.5 and 0.005 clamped / below
+    assert counts[1, 29] == 1  # 0.29 * 100 rounds to 28.999...; it still is >= edge 0.29
+    assert counts[0, 99] == 3  # 0.999, 1.0 and 1.7 (clamped)
+    big_scores, big_positive = make_case(5, 1000, "continuous")
+    parts = [metrics.binned_counts(big_scores[i:i + 300], big_positive[i:i + 300], bins)
+             for i in range(0, 1000, 300)]
+    assert torch.equal(sum(parts), metrics.binned_counts(big_scores, big_positive, bins))
+
+
+@pytest.mark.parametrize("bins", [10, 100, 1000])
+@pytest.mark.parametrize("seed", range(3))
+def test_binned_curves_exact_on_bin_edges(bins, seed):
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randint(bins, (2000,), generator=generator).double() / bins
+    positive = torch.rand(2000, generator=generator) < scores  # informative, with ties
+    counts = metrics.binned_counts(scores, positive, bins)
+    exact_pr = metrics.precision_recall_curve(scores, positive)
+    binned_pr = metrics.binned_pr_curve(counts)
+    for ours, exact in zip(binned_pr, exact_pr, strict=True):
+        torch.testing.assert_close(ours, exact, rtol=0, atol=1e-12)
+    exact_ap = metrics.average_precision(*exact_pr[:2])
+    assert metrics.average_precision(*binned_pr[:2]) == pytest.approx(exact_ap, abs=1e-12)
+    binned_roc = metrics.binned_roc_curve(counts)
+    exact_roc = metrics.roc_curve(scores, positive)
+    for ours, exact in zip(binned_roc, exact_roc, strict=True):
+        torch.testing.assert_close(ours, exact, rtol=0, atol=1e-12)
+    exact_auc = metrics.roc_auc(*exact_roc[:2])
+    assert metrics.roc_auc(*binned_roc[:2]) == pytest.approx(exact_auc, abs=1e-12)
+
+
+def test_binned_curves_approximate_continuous_scores():
+    scores, positive = make_case(7, 20_000, "continuous", rate=0.2)
+    counts = metrics.binned_counts(scores, positive, 1000)
+    precision, recall, thresholds = metrics.binned_pr_curve(counts)
+    exact_ap = metrics.average_precision(*metrics.precision_recall_curve(scores, positive)[:2])
+    assert abs(metrics.average_precision(precision, recall) - exact_ap) < 0.01
+    exact_auc = metrics.roc_auc(*metrics.roc_curve(scores, positive)[:2])
+    assert abs(metrics.roc_auc(*metrics.binned_roc_curve(counts)[:2]) - exact_auc) < 0.01
+    # Exact at its own thresholds (the bin edges).
+    assert bool((thresholds[1:] > thresholds[:-1]).all())
+    for k in range(0, len(thresholds), 97):
+        got = metrics.counts_at_threshold(scores, positive, thresholds[k].item())
+        assert got["precision"] == pytest.approx(precision[k].item(), abs=1e-12)
+        assert got["recall"] == pytest.approx(recall[k].item(), abs=1e-12)
+
+
+def test_binned_absent_classes_and_empty():
+    bins = 20
+    scores, _ = make_case(2, 100, "continuous")
+    none = torch.zeros(100, dtype=torch.bool)
+    counts = metrics.binned_counts(scores, none, bins)
+    precision, recall, _ = metrics.binned_pr_curve(counts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want_ap = skm.average_precision_score(none.numpy(), scores.numpy())
+    assert metrics.average_precision(precision, recall) == want_ap == 0.0
+    assert bool((recall[:-1] == 1).all())
+    assert np.isnan(metrics.roc_auc(*metrics.binned_roc_curve(counts)[:2]))
+    everything = metrics.binned_counts(scores, ~none, bins)
+    assert metrics.average_precision(*metrics.binned_pr_curve(everything)[:2]) == 1.0
+    assert np.isnan(metrics.roc_auc(*metrics.binned_roc_curve(everything)[:2]))
+    precision, recall, thresholds = metrics.binned_pr_curve(torch.zeros(2, bins))
+    assert precision.tolist() == [1.0] and recall.tolist() == [0.0] and len(thresholds) == 0
