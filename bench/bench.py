@@ -1,11 +1,10 @@
 """Benchmark: the baked project's train.py against a hand-written DDP loop (and Lightning).
 
     bash bench/run.sh                       # set up, then everything below with the defaults
-    python bench/bench.py --pairs 7 --workloads tiny,cnn
+    python bench/bench.py --pairs 7 --workloads tiny,cnn,tiny-1proc
 
 It bakes the template with its default answers, then for each workload runs the contenders
-one after another in rounds (A B C, A B C, ...: a warm-up round, then --pairs measured ones),
-each as `torchrun --standalone --nproc_per_node=2` on this machine:
+one after another in rounds (A B C, A B C, ...: a warm-up round, then --pairs measured ones):
 
   template     the baked train.py with its defaults (validation with exact metrics each epoch,
                checkpoints, logs, TensorBoard)
@@ -13,10 +12,15 @@ each as `torchrun --standalone --nproc_per_node=2` on this machine:
   lightning    bench/lightning_loop.py, when pytorch_lightning is installed
 
 Workloads: `tiny` (the default digits MLP, where per-step overhead dominates) and `cnn` (a small
-CNN on synthetic 3x32x32 images, where compute dominates). Per run it takes the median seconds
-per epoch (the first epoch excluded, validation included), the time from launch to the end of
-the first optimizer step, the peak resident memory of the largest process, and the final
-training loss; per contender the median of its runs; and ratios against handwritten. Writes
+CNN on synthetic 3x32x32 images, where compute dominates), each under `torchrun
+--nproc_per_node=2`, timed per epoch (training and validation); and `tiny-1proc`: one plain
+process without DDP, the hand-written loop given the template's data path and fused AdamW
+(--matched), timed per training step, which isolates the trainer's own cost per step.
+
+Per run: the median time (the first epoch left out), the time from launch to the end of the first
+optimizer step, the peak resident memory of the largest process, the final training loss. Speed
+is reported as the median of the per-round ratios (contender / hand-written of the same round)
+with their spread, since a shared machine's slow spells hit a round's contenders alike. Writes
 results.json and results.md into --out, and prints the table.
 """
 
@@ -34,12 +38,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 WORKLOADS = {
-    "tiny": {"overrides": [], "epochs": 40,
+    "tiny": {"overrides": [], "epochs": 40, "nproc": 2,
              "what": "digits MLP (1797 8x8 images, 64-256-256-10), global batch 64"},
-    "cnn": {"overrides": ["model.name=cnn", "data.dataset=images"], "epochs": 5,
+    "cnn": {"overrides": ["model.name=cnn", "data.dataset=images", "data.augment=false"],
+            "epochs": 5, "nproc": 2,
             "what": "3-layer CNN on 2000 synthetic 3x32x32 images, global batch 64"},
+    # One plain process, no DDP, and a hand-written loop with the template's data path and
+    # optimizer (--matched): what is left is the trainer's own cost per step.
+    "tiny-1proc": {"overrides": [], "epochs": 40, "nproc": 1, "matched": True,
+                   "what": "digits MLP, one process without DDP, training time per step"},
 }
-NPROC = 2
 
 
 def bake(where: Path) -> Path:
@@ -48,15 +56,18 @@ def bake(where: Path) -> Path:
     return Path(cookiecutter(str(REPO), no_input=True, output_dir=str(where)))
 
 
-def torchrun(script: str, *args: str) -> list[str]:
+def torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
+    """The command that runs `script` on `nproc` processes (1: plain python, no torchrun)."""
+    if nproc == 1:
+        return [sys.executable, script, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={NPROC}", script, *args]
+            f"--nproc_per_node={nproc}", script, *args]
 
 
-def run_measured(command: list[str], cwd: Path, log: Path) -> tuple[float, float]:
+def run_measured(command: list[str], cwd: Path, log: Path, nproc: int = 2) -> tuple[float, float]:
     """Run a command to its end; returns its launch time (unix) and the peak resident memory
     (MiB) of the largest process in its tree (wait4 reports the whole reaped tree)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // NPROC)),
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
            "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
         launched = time.time()
@@ -79,9 +90,11 @@ def json_lines(path: Path) -> list[dict]:
     return records
 
 
-def summarise(epoch_seconds: list[float], first_step: float, launched: float, rss: float,
-              loss: float) -> dict:
+def summarise(epoch_seconds: list[float], step_seconds: list[float], first_step: float,
+              launched: float, rss: float, loss: float) -> dict:
+    """A run's numbers; the first epoch (start-up, warm-up) is left out of the medians."""
     return {"seconds_per_epoch": statistics.median(epoch_seconds[1:]),
+            "seconds_per_step": statistics.median(step_seconds[1:]),
             "time_to_first_step": first_step - launched, "peak_rss_mib": rss,
             "final_loss": loss, "epoch_seconds": epoch_seconds}
 
@@ -89,25 +102,43 @@ def summarise(epoch_seconds: list[float], first_step: float, launched: float, rs
 def run_template(project: Path, workload: dict, scratch: Path, tag: str) -> dict:
     run_dir = scratch / f"template-{tag}"
     command = torchrun("train.py", f"run.dir={run_dir}", f"train.epochs={workload['epochs']}",
-                       "train.progress_bar=false", *workload["overrides"])
-    launched, rss = run_measured(command, project, scratch / f"template-{tag}.log")
+                       "train.progress_bar=false", *workload["overrides"],
+                       nproc=workload["nproc"])
+    launched, rss = run_measured(command, project, scratch / f"template-{tag}.log",
+                                 workload["nproc"])
     epochs = json_lines(run_dir / "metrics.jsonl")
     first = json_lines(run_dir / "train_log.jsonl")[0]
     assert first["step"] == 1, first
-    return summarise([e["epoch_seconds"] for e in epochs], first["time"], launched, rss,
-                     epochs[-1]["train_loss"])
+    steps = [b["step"] - a["step"] for a, b in zip([{"step": 0}, *epochs], epochs, strict=False)]
+    return summarise([e["epoch_seconds"] for e in epochs],
+                     [e["train_seconds"] / n for e, n in zip(epochs, steps, strict=True)],
+                     first["time"], launched, rss, epochs[-1]["train_loss"])
 
 
 def run_script(name: str, script: Path, workload_name: str, workload: dict, scratch: Path,
                tag: str) -> dict:
     log = scratch / f"{name}-{tag}.log"
-    command = torchrun(str(script), "--workload", workload_name, "--epochs",
-                       str(workload["epochs"]))
-    launched, rss = run_measured(command, BENCH, log)
+    flags = ["--matched"] if workload.get("matched") else []
+    command = torchrun(str(script), "--workload", workload_name.split("-")[0], "--epochs",
+                       str(workload["epochs"]), *flags, nproc=workload["nproc"])
+    launched, rss = run_measured(command, BENCH, log, workload["nproc"])
     records = json_lines(log)
     epochs = [r for r in records if "epoch" in r]
     first = next(r["first_step"] for r in records if "first_step" in r)
-    return summarise([e["seconds"] for e in epochs], first, launched, rss, epochs[-1]["loss"])
+    return summarise([e["seconds"] for e in epochs],
+                     [e.get("train_seconds", e["seconds"]) / e.get("steps", 1) for e in epochs],
+                     first, launched, rss, epochs[-1]["loss"])
+
+
+def pairwise(runs: dict, key: str) -> dict:
+    """Per round, each contender's value over the hand-written loop's of the same round: their
+    median, and the spread (lowest, highest) across rounds. Contenders run back to back within a
+    round, so a slow spell of the shared machine hits both sides of a ratio alike."""
+    base = [r[key] for r in runs["handwritten"]]
+    ratios = {name: [r[key] / b for r, b in zip(measured, base, strict=True)]
+              for name, measured in runs.items()}
+    return {name: {"median": statistics.median(values), "low": min(values), "high": max(values),
+                   "rounds": values} for name, values in ratios.items()}
 
 
 def have_lightning() -> bool:
@@ -118,30 +149,56 @@ def have_lightning() -> bool:
     return True
 
 
-def table(results: dict, contenders: list[str]) -> str:
-    lines = [("| workload | contender | s / epoch (median) | vs hand-written | launch to first "
-             "step (s) | vs hand-written | peak RSS per process (MiB) | final train loss |"),
+def measure_key(workload: dict) -> str:
+    return "seconds_per_step" if workload.get("matched") else "seconds_per_epoch"
+
+
+def table(results: dict, ratios: dict) -> str:
+    lines = [("| workload | contender | time (median) | vs hand-written: median of per-round "
+              "ratios | spread of the ratios | launch to first step (s) | peak RSS per process "
+              "(MiB) | final train loss |"),
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for workload, by_contender in results.items():
-        base = by_contender["handwritten"]
-        for name in contenders:
-            if name not in by_contender:
-                lines.append(f"| {workload} | {name} | not installed | | | | | |")
-                continue
-            r = by_contender[name]
+        key = measure_key(WORKLOADS[workload])
+        unit, scale = ("ms / step", 1000) if key == "seconds_per_step" else ("s / epoch", 1)
+        for name, r in by_contender.items():
+            ratio = ratios[workload][name]
             lines.append(
-                f"| {workload} | {name} | {r['seconds_per_epoch']:.4f} | "
-                f"{r['seconds_per_epoch'] / base['seconds_per_epoch']:.3f} | "
-                f"{r['time_to_first_step']:.2f} | "
-                f"{r['time_to_first_step'] / base['time_to_first_step']:.3f} | "
+                f"| {workload} | {name} | {r[key] * scale:.4f} {unit} | {ratio['median']:.3f} | "
+                f"{ratio['low']:.3f} to {ratio['high']:.3f} | {r['time_to_first_step']:.2f} | "
                 f"{r['peak_rss_mib']:.0f} | {r['final_loss']:.4f} |")
     return "\n".join(lines)
+
+
+def contenders_for(name: str, workload: dict, project: Path, scratch: Path) -> dict:
+    todo = {
+        "template": lambda tag: run_template(project, workload, scratch, tag),
+        "handwritten": lambda tag: run_script("handwritten", BENCH / "handwritten.py", name,
+                                              workload, scratch, tag),
+    }
+    if have_lightning() and not workload.get("matched"):
+        todo["lightning"] = lambda tag: run_script("lightning", BENCH / "lightning_loop.py", name,
+                                                   workload, scratch, tag)
+    return todo
+
+
+def run_rounds(name: str, todo: dict, pairs: int) -> dict:
+    """Round 0 warms caches up and is not measured; then the contenders alternate per round."""
+    runs = {contender: [] for contender in todo}
+    for round_index in range(pairs + 1):
+        for contender, run in todo.items():
+            print(f"{name:>10} round {round_index}/{pairs} {contender} ...", flush=True)
+            result = run(f"{name}-{round_index}")
+            if round_index:
+                runs[contender].append(result)
+    return runs
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=7, help="measured rounds after a warm-up")
-    parser.add_argument("--workloads", default="tiny,cnn", help="comma-separated: tiny,cnn")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated: {','.join(WORKLOADS)}")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     args = parser.parse_args(argv)
     names = [w for w in args.workloads.split(",") if w]
@@ -149,52 +206,35 @@ def main(argv: list[str]) -> int:
     if unknown or args.pairs < 1:
         parser.error(f"--workloads takes {', '.join(WORKLOADS)}; --pairs at least 1")
 
-    contenders = ["template", "handwritten", "lightning"]
-    lightning = have_lightning()
-    results, runs = {}, {}
+    results, runs, ratios = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmp:
         scratch = Path(tmp)
         project = bake(scratch / "baked")
         for name in names:
             workload = WORKLOADS[name]
-            todo = {
-                "template": lambda tag, w=workload: run_template(project, w, scratch, tag),
-                "handwritten": lambda tag, n=name, w=workload: run_script(
-                    "handwritten", BENCH / "handwritten.py", n, w, scratch, tag),
-            }
-            if lightning:
-                todo["lightning"] = lambda tag, n=name, w=workload: run_script(
-                    "lightning", BENCH / "lightning_loop.py", n, w, scratch, tag)
-            runs[name] = {contender: [] for contender in todo}
-            for round_index in range(args.pairs + 1):  # round 0 warms up caches, not measured
-                for contender, run in todo.items():
-                    tag = f"{name}-{round_index}"
-                    print(f"{name:>5} round {round_index}/{args.pairs} {contender} ...",
-                          flush=True)
-                    result = run(tag)
-                    if round_index:
-                        runs[name][contender].append(result)
+            runs[name] = run_rounds(name, contenders_for(name, workload, project, scratch),
+                                    args.pairs)
             results[name] = {
                 contender: {key: statistics.median(r[key] for r in measured)
-                            for key in ("seconds_per_epoch", "time_to_first_step",
-                                        "peak_rss_mib", "final_loss")}
-                for contender, measured in runs[name].items()
-            }
+                            for key in ("seconds_per_epoch", "seconds_per_step",
+                                        "time_to_first_step", "peak_rss_mib", "final_loss")}
+                for contender, measured in runs[name].items()}
+            ratios[name] = pairwise(runs[name], measure_key(workload))
 
     import torch
 
     machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                "python": platform.python_version(), "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d"), "processes": NPROC}
-    markdown = table(results, contenders)
+               "date": time.strftime("%Y-%m-%d")}
+    markdown = table(results, ratios)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
         {"machine": machine, "pairs": args.pairs,
-         "workloads": {n: WORKLOADS[n]["what"] for n in names},
-         "results": results, "runs": runs}, indent=1) + "\n")
-    header = (f"{NPROC} processes (torchrun, gloo, CPU), {args.pairs} measured rounds after a "
-              f"warm-up; {machine['cores']} cores, Python {machine['python']}, torch "
-              f"{machine['torch']}, {machine['date']}.\n\n")
+         "workloads": {n: WORKLOADS[n] for n in names},
+         "results": results, "ratios": ratios, "runs": runs}, indent=1) + "\n")
+    header = (f"torchrun with gloo on the CPU (tiny-1proc: one plain process), {args.pairs} "
+              f"measured rounds after a warm-up; {machine['cores']} cores, Python "
+              f"{machine['python']}, torch {machine['torch']}, {machine['date']}.\n\n")
     (args.out / "results.md").write_text(header + markdown + "\n")
     print("\n" + header + markdown)
     print(f"\nwrote {args.out / 'results.md'} and {args.out / 'results.json'}")

@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench  # noqa: E402
+import bench
 
 
 def folder_bytes(folder: Path) -> int:

@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
         print("error: bench/gpu.sh needs a CUDA GPU; on CPU use bash bench/run.sh",
               file=sys.stderr)
         return 2
-    bench.NPROC = torch.cuda.device_count()
+    gpus = torch.cuda.device_count()  # one process per GPU (one: a plain process, no DDP)
     gpu = torch.cuda.get_device_name(0)
     data = [f"data.synthetic_samples={args.samples}", f"train.global_batch_size={args.batch}",
             f"train.epochs={args.epochs}", "model.name=cnn", "data.dataset=images",
@@ -46,27 +46,28 @@ def main(argv: list[str]) -> int:
         log = scratch / "handwritten.log"
         bench.run_measured(bench.torchrun(
             str(bench.BENCH / "handwritten.py"), "--workload", "cnn", "--epochs",
-            str(args.epochs), "--samples", str(args.samples), "--batch-size", str(args.batch)),
-            bench.BENCH, log)
+            str(args.epochs), "--samples", str(args.samples), "--batch-size", str(args.batch),
+            nproc=gpus), bench.BENCH, log, nproc=gpus)
         epochs = [r for r in bench.json_lines(log) if "epoch" in r]
         results["handwritten fp32"] = statistics.median(e["images_per_s"] for e in epochs[1:])
         for name, extra in (("template defaults", []),
                             ("template + compile", ["speed.compile=true"])):
             run_dir = scratch / name.replace(" ", "-")
-            bench.run_measured(bench.torchrun("train.py", f"run.dir={run_dir}", *data, *extra),
-                               project, scratch / f"{run_dir.name}.log")
+            bench.run_measured(bench.torchrun("train.py", f"run.dir={run_dir}", *data, *extra,
+                                              nproc=gpus),
+                               project, scratch / f"{run_dir.name}.log", nproc=gpus)
             per_epoch = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
             later = [r["samples_per_s"] for r in bench.json_lines(run_dir / "train_log.jsonl")
                      if r["step"] > per_epoch["step"]]
             results[name] = statistics.median(later)
     base = results["handwritten fp32"]
-    lines = [(f"{gpu} x {bench.NPROC}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
+    lines = [(f"{gpu} x {gpus}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
              f"{args.samples} images, global batch {args.batch}, {args.epochs} epochs."), "",
              "| configuration | images / s | vs handwritten fp32 |", "|---|---:|---:|"]
     lines += [f"| {name} | {value:,.0f} | {value / base:.2f} |" for name, value in results.items()]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu.md").write_text("\n".join(lines) + "\n")
-    (args.out / "gpu.json").write_text(json.dumps({"gpu": gpu, "gpus": bench.NPROC,
+    (args.out / "gpu.json").write_text(json.dumps({"gpu": gpu, "gpus": gpus,
                                                    "images_per_s": results}, indent=1) + "\n")
     print("\n".join(lines))
     return 0

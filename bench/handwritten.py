@@ -6,8 +6,10 @@ plainly and correctly (set_epoch included), with nothing from the template.
 
 Same model, data sizes, per-rank batch, optimizer and epochs as the baked project's defaults
 (tiny: digits MLP) or its `model.name=cnn data.dataset=images` (cnn). Like the post, it
-validates on rank 0 only. Rank 0 prints one JSON line per event for bench.py to read:
-{"first_step": unix time}, {"epoch": n, "seconds": s, "loss": l, "images_per_s": r}.
+validates on rank 0 only. Started without torchrun it is one plain process (no DDP); with
+--matched it loads whole batches by indexing and uses fused AdamW, as the template does, so a
+comparison measures the loops alone. Rank 0 prints one JSON line per event for bench.py:
+{"first_step": unix time}, {"epoch": n, "seconds": s, "train_seconds": t, "steps": k, ...}.
 """
 
 import argparse
@@ -21,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 
 def digits():
@@ -70,15 +72,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="global, over all ranks")
     parser.add_argument("--lr", type=float, default=0.002)
     parser.add_argument("--samples", type=int, default=2000, help="cnn: synthetic images")
+    parser.add_argument("--matched", action="store_true",
+                        help="use the template's data path and optimizer (whole-batch indexing, "
+                        "fused AdamW), so that only the loops differ")
     return parser.parse_args()
 
 
 def main():
     args = parse_args()
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    distributed = "LOCAL_RANK" in os.environ  # under torchrun; else one plain process
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if distributed:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -90,14 +97,22 @@ def main():
                                           else random_images(args.samples))
     train_set = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
     val_set = TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val))
-    sampler = DistributedSampler(train_set, shuffle=True, seed=0)
-    loader = DataLoader(train_set, batch_size=args.batch_size // world_size, sampler=sampler,
-                        pin_memory=device.type == "cuda")
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=0)
+    if args.matched:  # one train_set[indices] per batch instead of a collate of samples
+        loader = DataLoader(train_set, batch_size=None, sampler=BatchSampler(
+            sampler, args.batch_size // world_size, drop_last=False))
+    else:
+        loader = DataLoader(train_set, batch_size=args.batch_size // world_size, sampler=sampler,
+                            pin_memory=device.type == "cuda")
     val_loader = DataLoader(val_set, batch_size=256)
 
     model = (mlp() if args.workload == "tiny" else cnn()).to(device)
-    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    if distributed:
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
+                                  fused=args.matched or None)
+    bare = model.module if distributed else model
 
     first_step_done = False
     for epoch in range(args.epochs):
@@ -124,13 +139,16 @@ def main():
             correct = 0
             with torch.no_grad():
                 for x, y in val_loader:
-                    correct += (model.module(x.to(device)).argmax(1) == y.to(device)).sum().item()
-        dist.barrier()
+                    correct += (bare(x.to(device)).argmax(1) == y.to(device)).sum().item()
+        if distributed:
+            dist.barrier()
         if rank == 0:
             print(json.dumps({"epoch": epoch + 1, "seconds": time.perf_counter() - start,
+                              "train_seconds": train_seconds, "steps": step + 1,
                               "loss": loss.item(), "val_accuracy": correct / len(val_set),
                               "images_per_s": seen / train_seconds}), flush=True)
-    dist.destroy_process_group()
+    if distributed:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

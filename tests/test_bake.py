@@ -17,7 +17,7 @@ EXPECTED_FILES = {
     "tests/test_config.py", "tests/test_data.py", "tests/test_dist_utils.py",
     "tests/test_distributed.py", "tests/test_examples.py", "tests/test_metrics.py",
     "tests/probes.py", "tests/test_faults.py", "tests/fail_at_step.py", "tests/test_launch.py",
-    "tests/test_speed.py",
+    "tests/test_speed.py", "splits.py", "tests/test_experiments.py", "tests/test_training_log.py",
 }
 
 
@@ -79,6 +79,7 @@ def test_default_bake_has_no_slurm_file_and_a_clean_run_sh(cookies):
     assert checked.returncode == 0, checked.stdout
 
 
+@pytest.mark.slow
 def test_cli_bake_with_eight_gpus_launches_eight_processes(tmp_path):
     result = run([sys.executable, "-m", "cookiecutter", TEMPLATE, "--no-input",
                   "--output-dir", tmp_path, "gpus_per_node=8"], cwd=tmp_path, timeout=120)
@@ -92,3 +93,25 @@ def test_cli_bake_with_eight_gpus_launches_eight_processes(tmp_path):
                  cwd=project, timeout=300)
     assert result.returncode == 0, result.stdout
     assert "8 process(es) on cpu, backend gloo" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("answers", "env", "batch"),
+    [({"gpus_per_node": "3"}, {}, 66),
+     ({"gpus_per_node": "3", "num_nodes": "2"}, {"NNODES": "1", "NPROC_PER_NODE": "6"}, 66)],
+    ids=["3-gpus", "3-gpus-2-nodes-as-6-processes"],
+)
+def test_bake_trains_with_its_defaults_as_printed(tmp_path, answers, env, batch):
+    result = run([sys.executable, "-m", "cookiecutter", TEMPLATE, "--no-input", "--output-dir",
+                  tmp_path, *(f"{k}={v}" for k, v in answers.items())], cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stdout
+    printed = [line.split("#")[0].strip() for line in result.stdout.splitlines()
+               if line.strip().startswith("./run.sh ")]
+    assert printed[0] == "./run.sh"  # the first command the bake tells the user to run
+    project = tmp_path / "my_ddp_experiment"
+    trained = run(printed[0].split(), cwd=project, timeout=600, **env)
+    assert trained.returncode == 0, trained.stdout
+    processes = int(answers["gpus_per_node"]) * int(answers.get("num_nodes", "1"))
+    assert (f"effective global batch {batch} = {batch // processes} per micro-batch x "
+            f"{processes} process(es)") in trained.stdout

@@ -1,6 +1,6 @@
-"""The data module: how each rank gets its share of any dataset, and the helpers datasets use.
+"""The data module: how each rank gets its share of any dataset.
 
-A dataset builder (see datasets.py) returns `Splits`: train, val and test as map-style
+A dataset builder (data_sources.py) returns `splits.Splits`: train, val and test as map-style
 `Dataset`s of any kind, in memory or read from disk. This module turns them into loaders:
 
 - training: `DistributedSampler` gives each rank a disjoint 1/world_size of a shuffled order that
@@ -15,10 +15,7 @@ either whole. The task (tasks.py) decides which parts the model and the loss rea
 
 import logging
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import (
@@ -31,114 +28,18 @@ from torch.utils.data import (
 )
 
 from config import UserError, lookup
+from data_sources import DATASETS
 from dist_utils import DistEnv
+from splits import Splits
 
 log = logging.getLogger("ddp")
-
-
-@dataclass
-class Splits:
-    """What a dataset builder returns: the three splits and what the task needs to know."""
-
-    train: Dataset
-    val: Dataset
-    test: Dataset
-    task: str  # the task the data is made for (a key of tasks.TASKS); task.name overrides it
-    num_classes: int = 0  # classification: labels are 0 .. num_classes - 1
-    target_mean: float = 0.0  # regression: the task trains on (target - mean) / std and
-    target_std: float = 1.0  # reports metrics in the target's own units
-
-
-class TensorSamples(Dataset):
-    """Samples held in memory as two tensors (inputs, targets), row i being sample i.
-
-    `transform`, if given, takes a *batch* of inputs (first dimension: samples) and returns it
-    transformed: a training-split augmentation, say. A list of indices reads a whole batch with
-    one indexing operation (`batch_indexing`), which `DataModule` uses to skip per-sample calls
-    and the collate step.
-    """
-
-    batch_indexing = True
-
-    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor,
-                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        if len(inputs) != len(targets):
-            raise ValueError(f"{len(inputs)} inputs but {len(targets)} targets")
-        self.inputs, self.targets, self.transform = inputs, targets, transform
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def __getitem__(self, index):
-        if isinstance(index, int | np.integer):
-            inputs, target = self[[int(index)]]
-            return inputs[0], target[0]
-        inputs = self.inputs[index]
-        return (self.transform(inputs) if self.transform else inputs), self.targets[index]
-
-
-def _take(indices: np.ndarray, count: int, labels: np.ndarray | None, rng) -> np.ndarray:
-    """`count` of `indices` at random; with labels, each class in proportion to its size."""
-    if labels is None:
-        return rng.permutation(indices)[:count]
-    classes, sizes = np.unique(labels[indices], return_counts=True)
-    quota = sizes * count / len(indices)
-    per_class = np.floor(quota).astype(int)
-    largest_remainders = np.argsort(per_class - quota, kind="stable")
-    per_class[largest_remainders[:count - per_class.sum()]] += 1
-    return np.concatenate([rng.permutation(indices[labels[indices] == c])[:n]
-                           for c, n in zip(classes, per_class, strict=True)])
-
-
-def split_indices(cfg: DictConfig, total: int, labels: np.ndarray | None = None) -> dict:
-    """Sample indices of the train, val and test splits, fixed by data.split_seed.
-
-    test takes ceil(test_fraction x total) samples and val ceil(val_fraction x total) of the
-    rest (rounded as scikit-learn's train_test_split does), stratified by class when labels
-    are given, so every split holds the classes in the proportions of the whole set.
-    """
-    rng = np.random.default_rng(cfg.split_seed)
-    remaining = np.arange(total)
-    splits = {}
-    for name, fraction in (("test", cfg.test_fraction),
-                           ("val", cfg.val_fraction / (1 - cfg.test_fraction))):
-        chosen = _take(remaining, math.ceil(fraction * len(remaining)), labels, rng)
-        splits[name] = rng.permutation(chosen)
-        remaining = np.setdiff1d(remaining, chosen)
-    splits["train"] = rng.permutation(remaining)
-    for name, indices in splits.items():
-        if len(indices) == 0:
-            raise UserError(f"data.dataset={cfg.dataset} has {total} samples: too few to leave "
-                            f"any for the {name} split; change data.val_fraction / "
-                            "data.test_fraction")
-    return splits
-
-
-def array_splits(cfg: DictConfig, inputs: np.ndarray, targets: np.ndarray, task: str,
-                 train_transform: Callable | None = None) -> Splits:
-    """Splits of data held in arrays (one sample per row), for a classification task (integer
-    labels, stratified split) or regression (float targets, standardised for training)."""
-    regression = np.issubdtype(targets.dtype, np.floating)
-    indices = split_indices(cfg, len(targets), None if regression else targets)
-
-    def part(name: str, transform=None) -> TensorSamples:
-        rows = indices[name]
-        return TensorSamples(torch.from_numpy(inputs[rows]), torch.from_numpy(targets[rows]),
-                             transform)
-
-    splits = Splits(part("train", train_transform if cfg.augment else None), part("val"),
-                    part("test"), task)
-    if regression:
-        train_targets = targets[indices["train"]].astype(np.float64)
-        splits.target_mean, splits.target_std = train_targets.mean(), train_targets.std()
-    else:
-        splits.num_classes = int(targets.max()) + 1
-    return splits
 
 
 def to_device(batch, device: torch.device):
     """A batch (tensor, or tuple / list / dict of them, nested) on `device`, copied
     asynchronously from pinned memory when the loader pinned it."""
+    if device.type == "cpu":  # CPU training: the loader's tensors are already there
+        return batch
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
@@ -156,8 +57,8 @@ def count_samples(batch) -> int:
 
 
 def supports_batch_indexing(dataset: Dataset) -> bool:
-    """Whether `dataset[list_of_indices]` returns the whole batch at once, as TensorSamples and
-    TensorDataset do. Set `batch_indexing = True` on a dataset class of your own that can."""
+    """Whether `dataset[list_of_indices]` returns the whole batch at once, as splits.TensorSamples
+    and TensorDataset do. Set `batch_indexing = True` on a dataset class of your own that can."""
     return isinstance(dataset, TensorDataset) or getattr(dataset, "batch_indexing", False)
 
 
@@ -202,14 +103,12 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 def build_splits(cfg: DictConfig) -> Splits:
-    """The splits of `data.dataset`: a key of datasets.DATASETS, or module:function."""
-    from data_sources import DATASETS  # the registry lives with the datasets, which use this module
-
+    """The splits of `data.dataset`: a key of data_sources.DATASETS, or module:function."""
     builder = lookup(DATASETS, cfg.data.dataset, "data.dataset", "a dataset")
     splits = builder(cfg.data)
     if not isinstance(splits, Splits):
-        raise UserError(f"data.dataset={cfg.data.dataset}: its builder must return data.Splits, "
-                        f"not {type(splits).__name__}")
+        raise UserError(f"data.dataset={cfg.data.dataset}: its builder must return "
+                        f"splits.Splits, not {type(splits).__name__}")
     for name in ("train", "val", "test"):
         if len(getattr(splits, name)) == 0:
             raise UserError(f"data.dataset={cfg.data.dataset} has an empty {name} split")
@@ -229,7 +128,8 @@ class DataModule:
         # it splits evenly, so every rank runs the same number of steps per epoch.
         self.batch_size_per_rank = cfg.train.global_batch_size // env.world_size
         # With gradient accumulation each optimizer step takes grad_accum_steps loader batches.
-        self.micro_batch_size = self.batch_size_per_rank // cfg.train.grad_accum_steps
+        self.grad_accum_steps = cfg.train.grad_accum_steps  # a plain int: read every batch
+        self.micro_batch_size = self.batch_size_per_rank // self.grad_accum_steps
         self.train_sampler = ResumableDistributedSampler(
             self.datasets["train"], num_replicas=env.world_size, rank=env.rank,
             shuffle=True, seed=cfg.run.seed,
@@ -296,7 +196,7 @@ class DataModule:
         step: list = []
         for batch in self.train_batches(epoch, skip_steps):
             step.append(batch)
-            if len(step) == self.cfg.train.grad_accum_steps:
+            if len(step) == self.grad_accum_steps:
                 yield step
                 step = []
         if step:

@@ -1,6 +1,6 @@
 """Data sources: the built-in example datasets, and yours. Each is a builder in `DATASETS`.
 
-A builder takes the `data` section of the config and returns `data.Splits`: the train, val and
+A builder takes the `data` section of the config and returns `splits.Splits`: the train, val and
 test splits as map-style datasets (any `torch.utils.data.Dataset`: in memory or read from disk,
 with a transform for the training split only if you like), plus what the task needs to know:
 the task the data is made for, the number of classes, or the targets' scale. Select one with
@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
 from config import PROJECT_DIR, UserError
-from data import Splits, array_splits, split_indices
+from splits import Splits, array_splits, split_indices
 
 
 def sklearn_csv(name: str) -> Path | None:
@@ -210,7 +210,7 @@ def images(cfg: DictConfig) -> Splits:
                         train_transform=random_flip)
 
 
-# Builders take the `data` config section and return data.Splits. Add yours here, or name it
+# Builders take the `data` config section and return splits.Splits. Add yours here, or name it
 # on the command line as module:function without touching this file.
 DATASETS = {
     "digits": digits,

@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 
 import metrics as M
 from config import UserError, lookup
-from data import Splits
+from splits import Splits
 
 
 class Task:

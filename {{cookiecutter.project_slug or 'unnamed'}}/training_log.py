@@ -7,7 +7,9 @@ logged, so a GPU never waits for the CPU in between. The window's all-reduce (wh
 sums global) runs in the background while training goes on; the window is written out when the
 next one starts, before a checkpoint, or at the end of the epoch:
 
-    train_log.jsonl    one line per window: step, each value, lr, samples_per_s, grad_norm, time
+    train_log.jsonl    one line per window: step, each value, lr, samples_per_s (training
+                       steps only; none for a process's first window, which includes start-up),
+                       grad_norm, time
     metrics.jsonl      one line per epoch: train_<name> over the whole epoch, val_<metric>,
                        train_seconds, val_seconds, epoch_seconds
     tb/                TensorBoard: train/<name>, val/<metric>
@@ -17,6 +19,8 @@ A new value reaches all three by being in the dict the task returns; nothing her
 
 import json
 import math
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -42,61 +46,105 @@ def _keep_records(path: Path, keep) -> None:
         tmp.replace(path)
 
 
+class Writer:
+    """Rank 0's log files and TensorBoard, written by a thread of their own: the training loop
+    only queues a record (a protobuf and a file write for every scalar would otherwise cost the
+    step time). Records keep their order; close() waits until all are written."""
+
+    def __init__(self, run_dir: Path, purge_step: int | None):
+        # Imported here, by rank 0 only and in the loop's own thread: an import in the writer's
+        # thread would hold the interpreter lock while training steps run.
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = run_dir
+        # purge_step: TensorBoard hides what an earlier attempt logged after the checkpoint.
+        self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step)
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.failed: BaseException | None = None
+        self.thread = threading.Thread(target=self._work, name="training-log", daemon=True)
+        self.thread.start()
+
+    def write(self, file_name: str, record: dict, scalars: dict, step: int) -> None:
+        """Append `record` to `file_name`, and `scalars` (tag -> number) to TensorBoard."""
+        if self.failed:
+            raise self.failed
+        self.queue.put((file_name, record, scalars, step))
+
+    def _work(self) -> None:
+        while (item := self.queue.get()) is not None:
+            try:
+                file_name, record, scalars, step = item
+                for tag, value in scalars.items():
+                    self.tensorboard.add_scalar(tag, value, step)
+                _append_json(self.run_dir / file_name, record)
+            except BaseException as error:  # raised again in the training loop
+                self.failed = error
+        self.tensorboard.close()
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        if self.failed:
+            raise self.failed
+
+
 class TrainingLog:
     def __init__(self, run_dir: Path, env: DistEnv, device: torch.device):
         self.run_dir, self.env, self.device = run_dir, env, device
         self.purge_step = None  # resumed: TensorBoard hides what came after the checkpoint
         self.names: list[str] = []
-        self.window: torch.Tensor | None = None  # value sums, then the sample count
-        self.window_steps = 0
+        self.steps: list = []  # this window's (values, samples) of every step, on the device
         self.grad_norm = None  # the last step's, before clipping
         self.clock = time.perf_counter()  # start of the window's training time
+        self.warming_up = True  # the first window of a process: its time includes start-up
         self.in_flight: list = []  # windows being all-reduced: (handle, sums, names, record)
         self.epoch_sums: dict[str, float] = {}
         self.last: dict = {}  # the last window written (for the progress bar)
-        self._writer = None
+        self._writer: Writer | None = None
 
-    # -- during the step: device-side only --------------------------------------------------------
+    # -- during the step: no work on the device ---------------------------------------------------
 
     def add_step(self, values: dict[str, torch.Tensor], samples: int, grad_norm=None) -> None:
-        """One optimizer step's values (means over its `samples` samples), left on the device."""
+        """One optimizer step's values (means over its `samples` samples), kept as they are until
+        the window is logged: adding them up now would launch kernels every step."""
         if list(values) != self.names:
-            self._start_names(list(values))
-        sums = torch.stack(list(values.values())).detach().double() * samples
-        self.window[:-1] += sums
-        self.window[-1] += samples
-        self.window_steps += 1
+            if self.steps:
+                raise RuntimeError(f"the logged values changed within a window: {self.names} -> "
+                                   f"{list(values)}; return the same names every step")
+            self.names = list(values)
+        self.steps.append((values, samples))
         self.grad_norm = grad_norm  # a new tensor each step: keeping it needs no copy
-
-    def _start_names(self, names: list[str]) -> None:
-        """A new set of names (the first step, or a task that changed what it logs)."""
-        if self.window_steps:
-            raise RuntimeError(f"the logged values changed within a window: {self.names} -> "
-                               f"{names}; return the same names every step")
-        self.names = names
-        self.window = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
 
     def restart_clock(self) -> None:
         """Time from here on counts as training time of the window (after validation, say)."""
         self.clock = time.perf_counter()
+
+    def _window_sums(self) -> torch.Tensor:
+        """The window's sum of every value weighted by its step's samples, then the samples."""
+        values = torch.stack([torch.stack([step[name] for step, _ in self.steps])
+                              for name in self.names]).detach().double()  # [names, steps]
+        samples = [count for _, count in self.steps]
+        weights = values.new_tensor(samples)
+        return torch.cat([values @ weights, values.new_tensor([sum(samples)])])
 
     # -- logging a window -------------------------------------------------------------------------
 
     def flush(self, step: int, lr: float) -> None:
         """End the window at `step`: start its all-reduce (every rank calls this at the same
         steps) and write out any earlier window, whose all-reduce has had time to finish."""
-        if self.window_steps:
-            sums = self.window.clone()
-            self.window.zero_()
+        if self.steps:
+            sums = self._window_sums()
+            self.steps = []
             record = {"step": step, "lr": lr, "seconds": time.perf_counter() - self.clock}
+            if self.warming_up:  # first allocations, first DDP step: not a rate to report
+                record["seconds"], self.warming_up = None, False
             if self.grad_norm is not None:
                 record["grad_norm"] = self.grad_norm
             handle = dist_utils.all_reduce_sum_async(sums)
             self.in_flight.append((handle, sums, list(self.names), record))
-            self.window_steps = 0
-            self.restart_clock()
         while len(self.in_flight) > 1:
             self._write_window(*self.in_flight.pop(0))
+        self.restart_clock()  # writing the log is not training time of the next window
 
     def write_pending(self) -> None:
         """Write out every window still in flight (waits for their all-reduces)."""
@@ -112,7 +160,8 @@ class TrainingLog:
         self.epoch_sums["samples"] = self.epoch_sums.get("samples", 0.0) + samples
         seconds = record.pop("seconds")
         record.update({name: total / samples for name, total in zip(names, totals, strict=True)})
-        record["samples_per_s"] = samples / seconds
+        if seconds is not None:
+            record["samples_per_s"] = samples / seconds
         if "grad_norm" in record:
             record["grad_norm"] = record["grad_norm"].item()  # the same on every rank
         if not math.isfinite(record["loss"]):  # the same all-reduced value on every rank
@@ -120,10 +169,9 @@ class TrainingLog:
                 f"training diverged: the loss is {record['loss']} at step {record['step']}; lower "
                 "optim.lr, set optim.grad_clip (e.g. 1.0) or use speed.precision=bf16 or fp32")
         if self.env.is_main:
-            for name, value in record.items():
-                if name != "step":
-                    self.writer().add_scalar(f"train/{name}", value, record["step"])
-            _append_json(self.run_dir / "train_log.jsonl", {**record, "time": time.time()})
+            scalars = {f"train/{name}": value for name, value in record.items() if name != "step"}
+            self.writer().write("train_log.jsonl", {**record, "time": time.time()}, scalars,
+                                record["step"])
         self.last = record
 
     # -- epochs -----------------------------------------------------------------------------------
@@ -145,10 +193,9 @@ class TrainingLog:
                            for name, total in self.epoch_sums.items() if name != "samples"})
         record.update({f"val_{name}": value for name, value in val.items()})
         record.update({f"{name}_seconds": value for name, value in seconds.items()})
-        if self.env.is_main:
-            for name, value in val.items():
-                self.writer().add_scalar(f"val/{name}", value, step)
-            _append_json(self.run_dir / "metrics.jsonl", record)
+        if self.env.is_main:  # TensorBoard: the validation metrics (train/ has the windows)
+            self.writer().write("metrics.jsonl", record,
+                                {f"val/{name}": value for name, value in val.items()}, step)
         return record
 
     # -- resume and output ------------------------------------------------------------------------
@@ -169,14 +216,10 @@ class TrainingLog:
             _keep_records(self.run_dir / "train_log.jsonl", lambda r: r["step"] <= position.step)
             _keep_records(self.run_dir / "metrics.jsonl", lambda r: r["epoch"] <= position.epoch)
 
-    def writer(self):
-        """Rank 0's TensorBoard writer, made at the first record (not before step 1)."""
+    def writer(self) -> Writer:
+        """Rank 0's writer, started at the first record (not before step 1)."""
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter  # imported by rank 0 only
-
-            # purge_step: TensorBoard hides what an earlier attempt logged after the checkpoint.
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"),
-                                         purge_step=self.purge_step)
+            self._writer = Writer(self.run_dir, self.purge_step)
         return self._writer
 
     def close(self) -> None:

@@ -4,13 +4,16 @@ data_sources.py and model.py, so the tests keep checking the plumbing after you 
 Runs name them by file: data.dataset=tests/fixtures.py:vectors model.name=tests/fixtures.py:mlp.
 """
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from data import Splits, array_splits
+from config import UserError
+from splits import Splits, array_splits, split_indices
 from tasks import MulticlassTask
 
 SAMPLES = 352  # -> 228 train (divisible by 1, 2, 3, 4, 6), 53 val, 71 test (neither by 2 nor 3)
@@ -61,6 +64,40 @@ def images(cfg) -> Splits:
     patterns = rng.standard_normal((4, 3, 3, 3)).repeat(4, 2).repeat(4, 3)
     pixels = 0.7 * patterns[labels] + rng.standard_normal((SAMPLES, 3, 12, 12))
     return array_splits(cfg, pixels.astype(np.float32), labels, "multiclass")
+
+
+class Files(Dataset):
+    """One .npy file per sample, read when asked for."""
+
+    def __init__(self, root: Path, indices: np.ndarray, labels: np.ndarray):
+        self.root, self.indices, self.labels = root, indices, labels
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int):
+        sample = self.indices[index]
+        return torch.from_numpy(np.load(self.root / f"{sample}.npy")), int(self.labels[sample])
+
+
+def write_vector_files(root: Path) -> None:
+    """vectors as files under root: <i>.npy and labels.txt."""
+    inputs, labels = clusters(0)
+    root.mkdir(parents=True)
+    for index, row in enumerate(inputs):
+        np.save(root / f"{index}.npy", row)
+    np.savetxt(root / "labels.txt", labels, fmt="%d")
+
+
+def vector_files(cfg) -> Splits:
+    """vectors read from the files write_vector_files made under data.root."""
+    root = Path(cfg.root)
+    if not (root / "labels.txt").is_file():
+        raise UserError(f"data.root={cfg.root} holds no labels.txt")
+    labels = np.loadtxt(root / "labels.txt", dtype=np.int64)
+    split = split_indices(cfg, len(labels), labels)
+    return Splits(*(Files(root, split[name], labels) for name in ("train", "val", "test")),
+                  task="multiclass", num_classes=4)
 
 
 class DictSamples(Dataset):

@@ -5,8 +5,9 @@ import torch
 
 from config import load_config
 from conftest import TINY, TINY_SPLIT, fixture
-from data import DataModule, EvalShardSampler, TensorSamples, count_samples, to_device
+from data import DataModule, EvalShardSampler, count_samples, to_device
 from dist_utils import DistEnv
+from splits import TensorSamples
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 71, 100])
@@ -55,6 +56,6 @@ def test_a_dataset_that_does_not_build_splits_is_one_line(tmp_path):
     source = tmp_path / "broken_data_for_test.py"
     source.write_text("def build(cfg):\n    return [1, 2, 3]\n")
     from config import UserError
-    with pytest.raises(UserError, match="its builder must return data.Splits, not list"):
+    with pytest.raises(UserError, match="its builder must return splits.Splits, not list"):
         DataModule(load_config([*TINY, f"data.dataset={source}:build"]), DistEnv(0, 0, 1, False),
                    torch.device("cpu"))

@@ -74,6 +74,7 @@ def assert_same_numbers(a, b, tol=1e-6):
         assert a == b
 
 
+@pytest.mark.slow
 def test_classification_trains_with_run_sh_and_evaluates_exactly(tmp_path, tiny_args):
     result = run(["./run.sh", *tiny_args], NPROC_PER_NODE="2")
     assert result.returncode == 0, result.stdout
@@ -145,6 +146,7 @@ def evaluate_at_1_2_3(tmp_path, run_dir) -> dict:
     return runs
 
 
+@pytest.mark.slow
 def test_binary_evaluates_exactly(tmp_path):
     run_dir = trained_run(tmp_path, "binary_vectors")
     runs = evaluate_at_1_2_3(tmp_path, run_dir)
@@ -173,6 +175,7 @@ def test_binary_evaluates_exactly(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_regression_evaluates_exactly(tmp_path):
     run_dir = trained_run(tmp_path, "regression_vectors")
     metrics = evaluate_at_1_2_3(tmp_path, run_dir)[1]["metrics"]
@@ -186,6 +189,43 @@ def test_regression_evaluates_exactly(tmp_path):
     assert metrics["r2"] > 0.5  # it learned
 
 
+def test_evaluation_takes_model_and_task_from_the_checkpoint_and_data_from_the_call(tmp_path):
+    from fixtures import write_vector_files
+
+    write_vector_files(tmp_path / "data")
+    files = [f"data.dataset={fixture('vector_files')}", f"data.root={tmp_path / 'data'}"]
+    trained = run([sys.executable, "train.py", *TINY, *files, "train.epochs=1",
+                   f"run.output_dir={tmp_path / 'runs'}"])
+    assert trained.returncode == 0, trained.stdout
+    (tmp_path / "data").rename(tmp_path / "moved")  # the data moved (scratch, another cluster)
+
+    gone = run([sys.executable, "evaluate.py", f"run.output_dir={tmp_path / 'runs'}"])
+    assert gone.returncode == 2
+    assert gone.stdout.strip().splitlines()[-1] == (
+        f"error: data.root={tmp_path / 'data'} holds no labels.txt")
+    moved = run([sys.executable, "evaluate.py", f"run.output_dir={tmp_path / 'runs'}",
+                 f"data.root={tmp_path / 'moved'}"])  # no eval.checkpoint: the newest run
+    assert moved.returncode == 0, moved.stdout
+    assert f"evaluating the newest run, {only_run_dir(tmp_path / 'runs')}" in moved.stdout
+    metrics = json.loads((only_run_dir(tmp_path / "runs") / "eval-test" / "metrics.json")
+                         .read_text())
+    assert metrics["num_samples"] == TINY_SPLIT["test"]
+
+    contradicting = run([sys.executable, "evaluate.py", f"run.output_dir={tmp_path / 'runs'}",
+                         f"data.root={tmp_path / 'moved'}", "model.hidden_dim=64"])
+    assert contradicting.returncode == 2
+    assert contradicting.stdout.count("error") == 1
+    assert contradicting.stdout.strip().splitlines()[-1:] == [
+        "error: model.hidden_dim=64 contradicts the checkpoint "
+        f"{next((only_run_dir(tmp_path / 'runs') / 'checkpoints').iterdir())}, which was "
+        "trained with model.hidden_dim=32: drop the override (the model and the task come from "
+        "the checkpoint)"]
+    same = run([sys.executable, "evaluate.py", f"run.output_dir={tmp_path / 'runs'}",
+                f"data.root={tmp_path / 'moved'}", "model.hidden_dim=32", "eval.split=val"])
+    assert same.returncode == 0, same.stdout  # agreeing with the checkpoint is fine
+
+
+@pytest.mark.slow
 def test_padding_sampler_would_bias_the_metrics(tmp_path):
     result = torchrun(2, "tests/probes.py", "padding-bias", str(tmp_path), *TINY)
     assert result.returncode == 0, result.stdout
@@ -196,6 +236,7 @@ def test_padding_sampler_would_bias_the_metrics(tmp_path):
     assert report["padded"]["average_precision_macro"] != report["exact"]["average_precision_macro"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", [1, 2])
 def test_gradient_allreduce_runs_once_per_optimizer_step(tmp_path, accum):
     result = torchrun(2, "tests/probes.py", "allreduce", str(tmp_path), *TINY,
@@ -219,6 +260,7 @@ def check_equivalence(workdir, *args: str):
                 str(workdir), *args, *TINY])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "accum"), [(2, 1), (1, 2), (2, 2)])
 def test_equivalence_check_passes_for_the_default_model(equivalence_dir, nproc, accum):
     result = check_equivalence(equivalence_dir, "--nproc", str(nproc), "--accum", str(accum))
@@ -226,6 +268,7 @@ def test_equivalence_check_passes_for_the_default_model(equivalence_dir, nproc, 
     assert f"PASS: {nproc} process(es) x {accum} accumulation step(s)" in result.stdout
 
 
+@pytest.mark.slow
 def test_equivalence_check_catches_plain_batchnorm(equivalence_dir):
     plain = check_equivalence(equivalence_dir, "model.batchnorm=true")
     assert plain.returncode == 1, plain.stdout
@@ -262,6 +305,7 @@ def test_run_sh_rejects_bad_overrides_once(tmp_path, tiny_args, override, messag
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_bare_torchrun_reports_a_config_error_once(tiny_args):
     # No run.sh preflight here: the workers themselves agree that rank 0 reports it.
     result = torchrun(3, "train.py", *tiny_args, "optim.lrr=0.1")

@@ -15,6 +15,8 @@ import torch
 from checkpoint import list_checkpoints
 from conftest import TINY, RunsCode, command_env, only_run_dir, run, torchrun
 
+pytestmark = pytest.mark.slow  # the quick tier (-m 'not slow') skips these
+
 PROJECT = Path(__file__).resolve().parents[1]
 # 190 optimizer steps, dropout on (the default 0.1): an exact resume needs the RNG states too.
 LONG = [*TINY, "train.epochs=10", "train.log_every=1", "train.ckpt_every=5"]
@@ -89,12 +91,18 @@ def final_model(run_dir: Path) -> dict:
     return torch.load(list_checkpoints(run_dir / "checkpoints")[-1], weights_only=True)["model"]
 
 
+def epoch_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without the timings (which differ from run to run)."""
+    return [{k: v for k, v in json.loads(line).items() if not k.endswith("_seconds")}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("reference")
     result = run(["./run.sh", *LONG, f"run.output_dir={out}"], NPROC_PER_NODE="2")
     assert result.returncode == 0, result.stdout
-    return final_model(only_run_dir(out))
+    return {"model": final_model(only_run_dir(out)), "epochs": epoch_records(only_run_dir(out))}
 
 
 # Killed before the first checkpoint of a later epoch, and after several (rank 0 this time).
@@ -106,9 +114,12 @@ def test_killed_worker_resumes_bitwise_exact(tmp_path, uninterrupted, kill_after
     output = finish(launcher)
     assert launcher.returncode == 0, output
     assert output.count("resumed from") == 1, output
-    resumed = final_model(only_run_dir(tmp_path))
-    assert resumed.keys() == uninterrupted.keys()
-    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    resumed, reference = final_model(only_run_dir(tmp_path)), uninterrupted["model"]
+    assert resumed.keys() == reference.keys()
+    assert all(torch.equal(resumed[k], reference[k]) for k in resumed)
+    # The epoch records too: an epoch cut by the kill reports the training means of the whole
+    # epoch (the checkpoint carries its sums so far), not of the steps after the resume.
+    assert epoch_records(only_run_dir(tmp_path)) == uninterrupted["epochs"]
     steps = [json.loads(line)["step"] for line in
              (only_run_dir(tmp_path) / "train_log.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 191))  # the log after a resume: no step twice, none missing
@@ -165,6 +176,8 @@ def test_bad_resume_input_is_one_line(tmp_path):
                       f"run.output_dir={tmp_path / 'b'}")
     assert result.returncode != 0
     assert result.stdout.count(f"cannot load checkpoint {truncated}") == 1, result.stdout
+    # Launches that failed before training left no run folder behind.
+    assert list((tmp_path / "a").iterdir()) == list((tmp_path / "b").iterdir()) == []
 
 
 def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
@@ -176,6 +189,18 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
     assert result.returncode == 2
     assert "refusing to load checkpoint" in result.stdout
     assert not marker.exists()
+
+
+def test_rerunning_a_finished_run_changes_no_record(tmp_path):
+    args = [sys.executable, "train.py", *TINY, "train.epochs=2", f"run.dir={tmp_path / 'run'}"]
+    assert run(args).returncode == 0
+    before = [(tmp_path / "run" / name).read_text() for name in ("metrics.jsonl",
+                                                                  "train_log.jsonl")]
+    again = run(args)
+    assert again.returncode == 0, again.stdout
+    assert "resumed from" in again.stdout
+    assert [(tmp_path / "run" / name).read_text() for name in ("metrics.jsonl",
+                                                               "train_log.jsonl")] == before
 
 
 def test_resume_with_another_process_count(tmp_path):

@@ -5,10 +5,13 @@ import socket
 import subprocess
 import time
 
+import pytest
 import torch
 
 from checkpoint import list_checkpoints
 from conftest import PROJECT, TINY, command_env, run
+
+pytestmark = pytest.mark.slow  # the quick tier (-m 'not slow') skips these
 
 
 def free_port() -> int:

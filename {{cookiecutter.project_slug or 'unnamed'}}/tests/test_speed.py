@@ -67,6 +67,7 @@ def test_mixed_precision_step_clips_the_unscaled_gradients(dtype):
     assert clipped.item() == pytest.approx(0.01, rel=1e-3)  # ... and clipped to optim.grad_clip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("settings", "shown"),
     [
@@ -97,6 +98,7 @@ def test_speed_setting_trains_with_a_finite_loss(tmp_path, settings, shown):
     assert not any(key.startswith(("module.", "_orig_mod.")) for key in state["model"])
 
 
+@pytest.mark.slow
 def test_dataloader_workers_under_ddp(tmp_path):
     result = torchrun(2, "tests/probes.py", "workers", str(tmp_path), *TINY, "data.num_workers=2")
     assert result.returncode == 0, result.stdout
