@@ -7,8 +7,9 @@ plainly and correctly (set_epoch included), with nothing from the template.
 Same model, data sizes, per-rank batch, optimizer and epochs as the baked project's defaults
 (tiny: digits MLP) or its `model.name=cnn data.dataset=images` (cnn). Like the post, it
 validates on rank 0 only. Started without torchrun it is one plain process (no DDP); with
---matched it loads whole batches by indexing and uses fused AdamW, as the template does, so a
-comparison measures the loops alone. Rank 0 prints one JSON line per event for bench.py:
+--matched it does the work the template does each step (whole batches read by indexing, fused
+AdamW, the running training loss and accuracy summed on the device), written inline, so that a
+comparison measures the template's machinery alone. Rank 0 prints one JSON line per event for bench.py:
 {"first_step": unix time}, {"epoch": n, "seconds": s, "train_seconds": t, "steps": k, ...}.
 """
 
@@ -51,6 +52,14 @@ def random_images(n=2000, classes=4, size=32):
                                                           label[n_test:n_test + n_val])
 
 
+class WholeBatches(TensorDataset):
+    """Tensors indexed with a whole batch's indices at once (converted to a tensor once)."""
+
+    def __getitem__(self, indices):
+        indices = torch.as_tensor(indices)
+        return tuple(tensor[indices] for tensor in self.tensors)
+
+
 def mlp():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.1),
                          nn.Linear(256, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 10))
@@ -73,8 +82,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.002)
     parser.add_argument("--samples", type=int, default=2000, help="cnn: synthetic images")
     parser.add_argument("--matched", action="store_true",
-                        help="use the template's data path and optimizer (whole-batch indexing, "
-                        "fused AdamW), so that only the loops differ")
+                        help="do what the template does (whole-batch indexing, fused AdamW, "
+                        "running training loss and accuracy), so that only the loops differ")
     return parser.parse_args()
 
 
@@ -100,6 +109,7 @@ def main():
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=0)
     if args.matched:  # one train_set[indices] per batch instead of a collate of samples
+        train_set = WholeBatches(*train_set.tensors)
         loader = DataLoader(train_set, batch_size=None, sampler=BatchSampler(
             sampler, args.batch_size // world_size, drop_last=False))
     else:
@@ -120,12 +130,18 @@ def main():
         model.train()
         sampler.set_epoch(epoch)
         seen = 0
+        running = torch.zeros(2, device=device)  # --matched: loss and correct, on the device
         for step, (x, y) in enumerate(loader):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = F.cross_entropy(model(x), y)
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if args.matched:  # the training loss and accuracy the template logs, kept alike
+                with torch.no_grad():
+                    running += torch.stack([loss.detach() * len(y),
+                                            (logits.argmax(-1) == y).sum()])
             seen += len(y) * world_size
             if not first_step_done:
                 first_step_done = True

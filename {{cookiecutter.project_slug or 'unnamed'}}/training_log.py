@@ -17,6 +17,7 @@ next one starts, before a checkpoint, or at the end of the epoch:
 A new value reaches all three by being in the dict the task returns; nothing here names one.
 """
 
+import itertools
 import json
 import math
 import queue
@@ -119,13 +120,19 @@ class TrainingLog:
         """Time from here on counts as training time of the window (after validation, say)."""
         self.clock = time.perf_counter()
 
-    def _window_sums(self) -> torch.Tensor:
-        """The window's sum of every value weighted by its step's samples, then the samples."""
+    def _window_sums(self) -> tuple[torch.Tensor, int]:
+        """Every value summed over the window's steps, weighted by each step's samples, and the
+        window's samples (every rank has as many: the sampler pads). The weights are Python
+        numbers: a weight tensor would be a copy from the host, which waits for the device."""
         values = torch.stack([torch.stack([step[name] for step, _ in self.steps])
                               for name in self.names]).detach().double()  # [names, steps]
-        samples = [count for _, count in self.steps]
-        weights = values.new_tensor(samples)
-        return torch.cat([values @ weights, values.new_tensor([sum(samples)])])
+        counts = [count for _, count in self.steps]
+        sums, start = 0, 0
+        for count, run in itertools.groupby(counts):  # steps of one size; an epoch's last differs
+            length = len(list(run))
+            sums = sums + values[:, start:start + length].sum(1) * count
+            start += length
+        return sums, sum(counts) * self.env.world_size
 
     # -- logging a window -------------------------------------------------------------------------
 
@@ -133,9 +140,10 @@ class TrainingLog:
         """End the window at `step`: start its all-reduce (every rank calls this at the same
         steps) and write out any earlier window, whose all-reduce has had time to finish."""
         if self.steps:
-            sums = self._window_sums()
+            sums, samples = self._window_sums()
             self.steps = []
-            record = {"step": step, "lr": lr, "seconds": time.perf_counter() - self.clock}
+            record = {"step": step, "lr": lr, "samples": samples,
+                      "seconds": time.perf_counter() - self.clock}
             if self.warming_up:  # first allocations, first DDP step: not a rate to report
                 record["seconds"], self.warming_up = None, False
             if self.grad_norm is not None:
@@ -154,7 +162,7 @@ class TrainingLog:
     def _write_window(self, handle, sums: torch.Tensor, names: list[str], record: dict) -> None:
         if handle is not None:
             handle.wait()
-        *totals, samples = sums.tolist()
+        totals, samples = sums.tolist(), record.pop("samples")
         for name, total in zip(names, totals, strict=True):
             self.epoch_sums[name] = self.epoch_sums.get(name, 0.0) + total
         self.epoch_sums["samples"] = self.epoch_sums.get("samples", 0.0) + samples

@@ -114,6 +114,11 @@ def test_classification_trains_with_run_sh_and_evaluates_exactly(tmp_path, tiny_
         np.testing.assert_allclose(curve["thresholds"], thresholds, atol=1e-6)
     macro = np.mean([average_precision_score(labels == c, probs[:, c]) for c in range(4)])
     assert metrics["average_precision_macro"] == pytest.approx(macro, abs=1e-6)
+    # The constant-memory mode: counts exact, curves and AP at 1000 score thresholds.
+    binned = evaluate_with(run_dir, tmp_path / "binned", 2, "eval.binned_thresholds=1000")
+    assert binned["metrics"]["confusion_matrix"] == metrics["confusion_matrix"]
+    assert binned["metrics"]["accuracy"] == metrics["accuracy"]
+    assert binned["metrics"]["average_precision_macro"] == pytest.approx(macro, abs=0.02)
     micro = average_precision_score(np.eye(4)[labels].ravel(), probs.ravel())
     assert metrics["average_precision_micro"] == pytest.approx(micro, abs=1e-9)
 
@@ -171,6 +176,9 @@ def test_binary_evaluates_exactly(tmp_path):
     assert metrics["precision"] == pytest.approx(precision_score(labels, predicted), abs=1e-12)
     assert metrics["recall"] == pytest.approx(recall_score(labels, predicted), abs=1e-12)
     assert metrics["average_precision"] > 0.8  # it learned
+    binned = evaluate_with(run_dir, tmp_path / "binned", 3, "eval.binned_thresholds=1000")
+    for name in ("average_precision", "roc_auc"):
+        assert binned["metrics"][name] == pytest.approx(metrics[name], abs=0.02), name
     png = tmp_path / "eval3" / "pr_curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -187,6 +195,11 @@ def test_regression_evaluates_exactly(tmp_path):
                                             rel=1e-9)
     assert metrics["r2"] == pytest.approx(r2_score(targets, predictions), rel=1e-9)
     assert metrics["r2"] > 0.5  # it learned
+    # Regression metrics are sums: the constant-memory mode gives them exactly.
+    binned = evaluate_with(run_dir, tmp_path / "binned", 2, "eval.binned_thresholds=100")
+    for name in ("mae", "rmse", "r2", "loss"):
+        # (2 processes against 1: float32 forward passes over other batches round apart)
+        assert binned["metrics"][name] == pytest.approx(metrics[name], rel=1e-6), name
 
 
 def test_evaluation_takes_model_and_task_from_the_checkpoint_and_data_from_the_call(tmp_path):
