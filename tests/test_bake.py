@@ -18,6 +18,7 @@ EXPECTED_FILES = {
     "tests/test_distributed.py", "tests/test_examples.py", "tests/test_metrics.py",
     "tests/probes.py", "tests/test_faults.py", "tests/fail_at_step.py", "tests/test_launch.py",
     "tests/test_speed.py", "splits.py", "tests/test_experiments.py", "tests/test_training_log.py",
+    "tests/test_cluster.py", "tests/stall_at_step.py", "tests/preempt_in_validation.py",
 }
 
 

@@ -13,10 +13,15 @@
 """
 
 import contextlib
+import errno
+import fcntl
+import json
 import logging
 import os
 import pickle
 import random
+import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +36,51 @@ from dist_utils import DistEnv
 
 log = logging.getLogger("ddp")
 
-RUN_ID_FILE = ".torchelastic_run_id"  # the torchrun run id of the job that made the folder
+JOB_ID_FILE = ".job_id"  # the id of the job that made the folder: a requeue finds it by this
+LOCK_FILE = ".lock"  # held by the job training in the folder; names its host and pid
+_held_locks: list = []  # open lock files: the lock lasts as long as the process
+
+
+def job_id() -> str:
+    """The id a restarted or requeued job keeps: run.sh's DDP_JOB_ID (RDZV_ID, else the SLURM
+    job id), else the torchrun run id (the same for every restart of one torchrun)."""
+    return os.environ.get("DDP_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
+def lock_run_dir(path: Path) -> None:
+    """Rank 0 takes the run folder for this job, or refuses with one line naming the holder.
+
+    An flock: the kernel releases it when its process ends, however it ends, so a lock left by
+    a killed job is free again; taking it over from another job says so once.
+    """
+    handle = open(path / LOCK_FILE, "a+")  # noqa: SIM115 (kept open: the lock lasts with it)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        handle.seek(0)
+        holder = _read_holder(handle.read())
+        handle.close()
+        raise UserError(f"run folder {path} is in use by another job (host {holder.get('host')}, "
+                        f"pid {holder.get('pid')}): wait for it to end, or use another run.dir"
+                        ) from None
+    handle.seek(0)
+    previous = _read_holder(handle.read())
+    if previous and previous.get("job") != job_id():
+        log.warning("took over run folder %s from host %s, pid %s, which is no longer running",
+                    path, previous.get("host"), previous.get("pid"))
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": job_id()}))
+    handle.flush()
+    _held_locks.append(handle)
+
+
+def _read_holder(text: str) -> dict:
+    with contextlib.suppress(ValueError):
+        return json.loads(text)
+    return {}
 MODEL_PREFIXES = ("module.", "_orig_mod.")  # added by DDP and by torch.compile
 
 
@@ -47,8 +96,10 @@ class RunDir:
         and left empty (but for the run id marker), so failed launches leave no litter."""
         if not (self.created and dist_utils.is_main_process() and self.path.is_dir()):
             return
-        if {p.name for p in self.path.iterdir()} <= {RUN_ID_FILE}:
-            (self.path / RUN_ID_FILE).unlink(missing_ok=True)
+        markers = {JOB_ID_FILE, LOCK_FILE}
+        if {p.name for p in self.path.iterdir()} <= markers:
+            for name in markers:
+                (self.path / name).unlink(missing_ok=True)
             self.path.rmdir()
 
 
@@ -62,9 +113,9 @@ def _create_run_dir(cfg: DictConfig) -> RunDir:
         path.mkdir(parents=True, exist_ok=True)
         return RunDir(path, created)
     output_dir = Path(cfg.run.output_dir)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    run_id = job_id()
     if run_id and cfg.train.resume != "never":
-        for marker in output_dir.glob(f"*/{RUN_ID_FILE}"):
+        for marker in output_dir.glob(f"*/{JOB_ID_FILE}"):
             if marker.read_text() == run_id:
                 return RunDir(marker.parent, created=False)
     base = output_dir / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -76,15 +127,18 @@ def _create_run_dir(cfg: DictConfig) -> RunDir:
         except FileExistsError:
             continue
         if run_id:
-            (path / RUN_ID_FILE).write_text(run_id)
+            (path / JOB_ID_FILE).write_text(run_id)
         return RunDir(path, created=True)
     raise UserError(f"cannot create a new run folder next to {base}: too many exist")
 
 
 def open_run_dir(cfg: DictConfig, env: DistEnv) -> RunDir:
-    """The run folder, created by rank 0 and the same on every rank (collective)."""
+    """The run folder, created (or found again) and locked by rank 0, the same on every rank
+    (collective)."""
     with dist_utils.agree_on_errors():
         run = _create_run_dir(cfg) if env.is_main else None
+        if run:
+            lock_run_dir(run.path)
     path, created = dist_utils.broadcast_object((str(run.path), run.created) if run else None)
     return RunDir(Path(path), created)
 
@@ -187,7 +241,12 @@ def write_atomically(state: dict, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:
-            torch.save(state, handle)
+            try:
+                torch.save(state, handle)
+            except RuntimeError as error:  # the zip writer's complaint about a failed write
+                if isinstance(error.__context__, OSError):
+                    raise error.__context__ from None
+                raise
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -202,10 +261,49 @@ def write_atomically(state: dict, path: Path) -> None:
 
 
 def save_checkpoint(state: dict, path: Path) -> None:
-    """Write a checkpoint atomically, on rank 0 only; every rank returns once it is complete."""
-    if dist_utils.is_main_process():
-        write_atomically(state, path)
-    dist_utils.barrier()
+    """Write a checkpoint atomically, on rank 0 only; every rank returns once it is complete.
+    A write that fails (a full disk, say) stops every rank with one line; the checkpoints
+    written before stay as they were, and no partial file is left."""
+    with dist_utils.agree_on_errors():  # also the barrier: every rank waits for the write
+        if dist_utils.is_main_process():
+            try:
+                write_atomically(state, path)
+            except OSError as error:
+                raise UserError(write_failure(error, Path(path), tensor_bytes(state))) from None
+
+
+def write_text(path: Path, text: str) -> None:
+    """A small file written whole (temporary file, renamed), or one line saying why not."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise UserError(write_failure(error, path)) from None
+
+
+def tensor_bytes(value) -> int:
+    """The bytes of every tensor in a (nested) state: about what saving it writes."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+def write_failure(error: OSError, path: Path, needed: int | None = None) -> str:
+    """One line for a failed write: what, why, and for a full disk the space there and needed."""
+    folder = path.parent
+    message = f"cannot write {path}: {error.strerror or error}"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(folder).free if folder.exists() else 0
+        need = f", about {needed / 1e6:.1f} MB needed" if needed else ""
+        message += (f" ({free / 1e6:.1f} MB free in {folder}{need}); free space there or set "
+                    "run.output_dir / run.dir to a larger disk, then rerun to resume")
+    return message
 
 
 def prune_checkpoints(folder: Path, keep: int) -> None:

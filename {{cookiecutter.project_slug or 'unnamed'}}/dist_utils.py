@@ -9,9 +9,14 @@ needs an `if distributed:` of its own.
 import contextlib
 import datetime
 import gc
+import json
 import logging
 import os
+import signal
+import socket
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import UserError
+from config import PROJECT_DIR, UserError
 
 log = logging.getLogger("ddp")
 
@@ -82,10 +87,23 @@ def init_distributed(env: DistEnv, device: torch.device, backend: str, timeout_m
         torch.cuda.set_device(device)
     if not env.launched or dist.is_initialized():
         return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise UserError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: launch "
+                        "with torchrun (or ./run.sh), which sets them all, or unset RANK and "
+                        "WORLD_SIZE to run a single process")
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
         raise UserError("ddp.backend=nccl needs CUDA GPUs: use ddp.backend=gloo on CPU")
+    if backend == "nccl":
+        # NCCL's flight recorder: the last collectives of every rank, dumped when one times out
+        # (to /tmp/nccl_trace_rank_<rank> unless TORCH_FR_DUMP_TEMP_FILE says otherwise; read
+        # them with `torchfrtrace`). Your own settings of these variables win.
+        for name, value in (("TORCH_FR_BUFFER_SIZE", "2000"),
+                            ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),  # its name before torch 2.7
+                            ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")):
+            os.environ.setdefault(name, value)
     dist.init_process_group(
         backend=backend,
         timeout=datetime.timedelta(minutes=timeout_minutes),
@@ -169,6 +187,8 @@ def _describe_failures(messages: list) -> str | None:
         return None
     if all(text == failed[0][1] for _, text in failed) and len(failed) == len(messages):
         return failed[0][1]  # the same on every rank: say it once, without ranks
+    if [rank for rank, _ in failed] == [0]:
+        return failed[0][1]  # rank 0 does the job's writing (lock, config, checkpoints)
     return f"rank {failed[0][0]}: {failed[0][1]}"
 
 
@@ -180,7 +200,7 @@ def _exit_on_user_error(message: str) -> None:
     """
     rank = int(os.environ.get("RANK", "0"))
     try:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if _world_size_given() > 1 and "MASTER_ADDR" in os.environ and not dist.is_initialized():
             # The error came before the job's process group existed (e.g. a config typo with a
             # bare torchrun): a small CPU group just to agree on who reports it.
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -190,24 +210,32 @@ def _exit_on_user_error(message: str) -> None:
             if dist.get_rank() == 0:
                 message = _describe_failures(messages)
                 print(f"error: {message}", file=sys.stderr, flush=True)
-                _tell_run_sh(message)
+                _tell_run_sh(f"error: {message}")
             dist.barrier()
-        elif rank == 0:
+        elif rank == 0 or not _world_size_given():
             print(f"error: {message}", file=sys.stderr, flush=True)
-            _tell_run_sh(message)
+            _tell_run_sh(f"error: {message}")
     except Exception:  # the other ranks are not coming: this rank alone hit the problem
         print(f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
         os._exit(2)
     cleanup()
     # Under run.sh every rank has agreed and the error is on record: exit 0 so that torchrun
     # does not restart a job whose input is wrong; run.sh exits 2. Elsewhere: exit 2.
-    sys.exit(0 if os.environ.get("RUN_SH_ERROR_FILE") else 2)
+    sys.exit(0 if os.environ.get("RUN_SH_STATUS_FILE") else 2)
 
 
-def _tell_run_sh(message: str) -> None:
-    error_file = os.environ.get("RUN_SH_ERROR_FILE")
-    if error_file:
-        Path(error_file).write_text(message + "\n")
+def _world_size_given() -> int:
+    """WORLD_SIZE as torchrun sets it; 0 when it is missing or not a number."""
+    value = os.environ.get("WORLD_SIZE", "")
+    return int(value) if value.isdigit() else 0
+
+
+def _tell_run_sh(status: str) -> None:
+    """Tell run.sh how the job ended (its status file): `error: <message>`, `preempted` or
+    `stalled`. run.sh exits 2, 75 or 1 for them, whatever torchrun returns."""
+    status_file = os.environ.get("RUN_SH_STATUS_FILE")
+    if status_file:
+        Path(status_file).write_text(status + "\n")
 
 
 def _is_peer_failure(error: BaseException) -> bool:
@@ -219,16 +247,176 @@ def _is_peer_failure(error: BaseException) -> bool:
                                   "Broken pipe", "NCCL communicator was aborted")))
 
 
+# --- preemption and stalls ----------------------------------------------------------------------
+
+PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: stopped on purpose; the same command resumes
+STALLED_EXIT = 1
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_SIGNALS_RECEIVED: list[int] = []  # noted by the handler; Supervisor acts on them
+
+
+def handle_signals() -> None:
+    """From the start of a process: SIGTERM and SIGUSR1 are noted (the training loop stops at a
+    step every rank agrees on), SIGINT interrupts (even if the launcher started us ignoring it)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for number in PREEMPTION_SIGNALS:
+        signal.signal(number, lambda number, frame: PREEMPTION_SIGNALS_RECEIVED.append(number))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class Preempted(Exception):
+    """Every rank agreed to stop for a preemption signal (after saving, in training)."""
+
+
+class Supervisor:
+    """Watches the job from every rank: preemption signals, and collectives that never finish.
+
+    Preemption: SIGTERM and SIGUSR1 (what SLURM sends ahead of a kill; torchrun forwards them to
+    every worker) only set a flag. `should_stop()`, called by every rank at the same points (each
+    optimizer step, each common evaluation batch), all-reduces that flag on a CPU group of its
+    own: started at one call and read at the next, so a step never waits for it, and every rank
+    sees the same answer at the same step and stops there.
+
+    Stalls: a thread samples where this rank's main thread is. When it has waited in a
+    collective, without progress, for most of ddp.timeout_minutes, the first rank to notice
+    reads every rank's last report from the rendezvous store, prints once which rank did not
+    arrive and the file and line it was at, and has every rank leave.
+    """
+
+    def __init__(self, env: DistEnv, timeout_minutes: float):
+        self.env = env
+        self.progress = 0  # bumped by the main thread at every step and evaluation batch
+        self.pending = None  # the flag all-reduce in flight: (handle, tensor)
+        self.group = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo")  # collective: every rank
+            Watchdog(self, timeout_minutes * 60).start()
+
+    def should_stop(self) -> bool:
+        """Whether every rank has agreed to stop for a preemption signal (collective)."""
+        self.progress += 1
+        if self.group is None:
+            return bool(PREEMPTION_SIGNALS_RECEIVED)
+        agreed = False
+        if self.pending is not None:
+            handle, flag = self.pending
+            handle.wait()  # started a step ago: done by now
+            agreed = flag.item() > 0
+        flag = torch.tensor([1.0 if PREEMPTION_SIGNALS_RECEIVED else 0.0])
+        self.pending = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
+        return agreed
+
+    def settle(self) -> None:
+        """Wait for the flag all-reduce in flight (before the process group goes)."""
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
+
+
+COLLECTIVE_FILES = (f"{os.sep}torch{os.sep}distributed{os.sep}",
+                    f"{os.sep}torch{os.sep}autograd{os.sep}", f"{os.sep}torch{os.sep}_tensor.py")
+
+
+class Watchdog(threading.Thread):
+    """Supervisor's stall detector (see there); a daemon thread per rank."""
+
+    def __init__(self, supervisor: Supervisor, timeout_s: float):
+        super().__init__(name="stall-watchdog", daemon=True)
+        self.supervisor, self.rank = supervisor, supervisor.env.rank
+        self.period = min(5.0, max(0.5, timeout_s / 12))
+        self.patience = timeout_s - 2 * self.period  # claim before the collective times out
+        self.main_id = threading.main_thread().ident
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.prefix = f"stall-watchdog/{attempt}/"
+        # A client of its own on the rendezvous store (torchrun's MASTER_ADDR / MASTER_PORT).
+        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                   is_master=False, timeout=datetime.timedelta(seconds=30))
+
+    def where(self) -> tuple[str, bool]:
+        """The main thread's innermost frame of the project (file:line in function), and
+        whether it is waiting in a collective (torch.distributed, or backward under DDP)."""
+        frame = sys._current_frames().get(self.main_id)
+        stack = traceback.extract_stack(frame) if frame else []
+        waiting = any(any(part in entry.filename for part in COLLECTIVE_FILES)
+                      for entry in stack[-8:])
+        ours = [entry for entry in stack if str(PROJECT_DIR) in entry.filename] or stack
+        if not ours:
+            return "unknown", waiting
+        last = ours[-1]
+        where = f"{os.path.relpath(last.filename, PROJECT_DIR)}:{last.lineno} in {last.name}"
+        return where, waiting
+
+    def run(self) -> None:
+        seen, since = None, time.monotonic()
+        while True:
+            time.sleep(self.period)
+            where, waiting = self.where()
+            progress = self.supervisor.progress
+            if progress != seen or not waiting:
+                seen, since = progress, time.monotonic()
+            report = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                      "where": where, "waiting": waiting, "progress": progress,
+                      "waited": time.monotonic() - since}
+            with contextlib.suppress(Exception):  # the store may be gone at the job's end
+                self.store.set(f"{self.prefix}rank{self.rank}", json.dumps(report))
+                if self.store.check([f"{self.prefix}abort"]):
+                    self.leave()
+                if report["waited"] >= self.patience and self.store.add(
+                        f"{self.prefix}claim", 1) == 1:
+                    self.report_stall()
+                    self.leave()
+
+    def report_stall(self) -> None:
+        """Print who stalled and where, once for the job; then every rank leaves."""
+        world = dist.get_world_size()
+        reports = []
+        for rank in range(world):
+            with contextlib.suppress(Exception):
+                reports.append(json.loads(self.store.get(f"{self.prefix}rank{rank}")))
+        stalled = [r for r in reports if not r["waiting"]] or reports
+        silent = sorted(set(range(world)) - {r["rank"] for r in reports})
+        lines = [f"rank {r['rank']} ({r['host']}, pid {r['pid']}) at {r['where']}"
+                 for r in stalled]
+        waited = max((r["waited"] for r in reports), default=0.0)
+        message = (f"the job stalled: {'; '.join(lines)} did not reach the collective the other "
+                   f"ranks waited {waited:.0f} s in (ddp.timeout_minutes)"
+                   + (f"; rank(s) {silent} sent no report" if silent else ""))
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        _tell_run_sh("stalled")
+        self.store.set(f"{self.prefix}abort", "1")
+
+    def leave(self) -> None:
+        """End this process, main thread and all, once the stall is reported. Rank 0 hosts the
+        store (run.sh gives each attempt its own), so it waits for the others to go first."""
+        world = dist.get_world_size()
+        with contextlib.suppress(Exception):
+            gone = self.store.add(f"{self.prefix}gone", 1)
+            deadline = time.monotonic() + 3 * self.period
+            while self.rank == 0 and gone < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+                gone = self.store.add(f"{self.prefix}gone", 0)
+        sys.stderr.flush()
+        os._exit(0 if os.environ.get("RUN_SH_STATUS_FILE") else STALLED_EXIT)
+
+
 UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
 
 
 def run_main(main: Callable[[list[str]], None]) -> None:
     """Run an entry point: a UserError prints once and exits 2; any other error prints its
     traceback once, from the rank it happened on, and exits 1; the group is always left."""
+    handle_signals()
     try:
         main(sys.argv[1:])
     except UserError as error:
         _exit_on_user_error(str(error))
+    except Preempted as stop:
+        if is_main_process():
+            print(f"preempted: {stop}", file=sys.stderr, flush=True)
+            _tell_run_sh("preempted")
+        cleanup()
+        sys.exit(0 if os.environ.get("RUN_SH_STATUS_FILE") else PREEMPTED_EXIT)
     except KeyboardInterrupt:
         cleanup()
         sys.exit(130)

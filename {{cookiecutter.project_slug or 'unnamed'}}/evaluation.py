@@ -17,6 +17,7 @@ exact this way) and all-reduces it: memory independent of the split's size.
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from torch.utils.data import BatchSampler, DataLoader
 
 import dist_utils
 from data import EvalShardSampler, count_samples, to_device
+from dist_utils import Supervisor
 from speed import FLOAT32, Speed
 from tasks import Task
 
@@ -164,22 +166,35 @@ def _sum_over_ranks(summary: torch.Tensor, sums: torch.Tensor, names: list[str],
 @torch.no_grad()
 def evaluate_split(model: torch.nn.Module, loader: DataLoader, device: torch.device, task: Task,
                    speed: Speed = FLOAT32, bins: int = 0, reference: dict | None = None,
-                   detail: bool = True) -> dict:
+                   detail: bool = True, supervisor: Supervisor | None = None) -> dict | None:
     """Exact metrics of the whole split (see the module's docstring); call it on every rank.
 
     Pass the unwrapped model: DDP's forward may sync buffers, which would need every rank to run
-    the same number of batches, and shards may differ by one sample.
+    the same number of batches, and shards may differ by one sample. With a supervisor, every
+    rank checks for a preemption at each batch that all ranks have (shards differ by at most one
+    sample), and all of them return None when it comes.
     """
     was_training = model.training
     model.eval()
     outputs = SplitOutputs(task, bins)
-    for batch in loader:
+    common = common_batches(loader) if supervisor else 0
+    for index, batch in enumerate(loader):
+        if index < common and supervisor.should_stop():
+            model.train(was_training)
+            return None
         batch = to_device(batch, device)
         with speed.autocast(device):
             predicted = model(speed.inputs(task.model_inputs(batch)))
         outputs.add(as_float64(predicted), batch)  # metrics in float64, whatever the autocast
     model.train(was_training)
     return outputs.compute(shard_sizes(loader), reference, detail)  # the same calls everywhere
+
+
+def common_batches(loader: DataLoader) -> int:
+    """The batches every rank's shard has (0 when the shards' sizes are not known)."""
+    sizes = shard_sizes(loader)
+    batch_size = loader.batch_size or loader.sampler.batch_size  # whole batches: a BatchSampler
+    return min(math.ceil(size / batch_size) for size in sizes) if sizes else 0
 
 
 def scalars(result: dict) -> dict:

@@ -15,6 +15,12 @@
 #   NODE_RANK       optional: 0 on the head node makes the preflight check the port is free
 #   MAX_RESTARTS    restarts of failed workers (default 3); train.py resumes from the latest
 #                   checkpoint. 0 while debugging.
+#   SHUTDOWN_TIMEOUT seconds the workers get to save a checkpoint after SIGTERM / SIGUSR1
+#                   (default 120), before torchrun kills them
+#
+# Exit status: 0 done, 2 a mistake in the input (one line says which), 75 preempted (a
+# checkpoint was saved: run the same command again, with the same RDZV_ID or SLURM job, and it
+# continues), 1 the job stalled or failed (the report says which rank and where).
 #
 # OMP_NUM_THREADS defaults to this machine's cores divided by the processes (at least 1), so
 # the processes do not oversubscribe the CPU and torchrun does not warn about it.
@@ -77,17 +83,66 @@ fi
 "$python" preflight.py --nproc-per-node "$nproc_per_node" --nnodes "$nnodes" --script "$script" \
   --endpoint "$endpoint" --node-rank "${NODE_RANK:-}" "$@"
 
-# A mistake in the input (a bad checkpoint, say) is reported once by rank 0, which also writes it
-# here; the workers then exit 0, so torchrun neither restarts them (the mistake would only come
-# back) nor prints its failure report, and this script exits 2.
-error_file="$(mktemp "${TMPDIR:-/tmp}/run-sh-error.XXXXXX")"
-trap 'rm -f "$error_file"' EXIT
-export RUN_SH_ERROR_FILE="$error_file"
+# How the job ended, when the workers ended it on purpose: rank 0 writes `error: ...` (a mistake
+# in the input, reported once), `preempted` (a checkpoint was saved on SIGTERM / SIGUSR1) or
+# `stalled` (a rank never reached a collective; the report names it). The workers then exit 0,
+# so torchrun does not restart them (the mistake or the stall would only come back, and a
+# preempted job is about to be killed), and this script exits 2, 75 or 1.
+status_file="$(mktemp "${TMPDIR:-/tmp}/run-sh-status.XXXXXX")"
+trap 'rm -f "$status_file"' EXIT
+export RUN_SH_STATUS_FILE="$status_file"
 
+# Preemption: SLURM (or another scheduler) sends SIGTERM or SIGUSR1 before it kills a job. Every
+# worker handles them itself (train.py saves a checkpoint at the step all ranks agree on); this
+# script passes them on to the workers (torchrun's children). torchrun ignores the two (torch
+# 2.13+: they are not among its --signals-to-handle), so it neither kills the saving workers nor
+# prints a traceback; it waits for them to leave. Older torch: torchrun passes the signal on
+# and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds.
+shutdown_timeout="${SHUTDOWN_TIMEOUT:-120}"
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$shutdown_timeout"
+signal_flags=()
+torch_dir="$("$python" -c 'import importlib.util as u; print(u.find_spec("torch").submodule_search_locations[0])' 2>/dev/null || true)"
+if grep -q signals_to_handle "$torch_dir/distributed/run.py" 2>/dev/null; then
+  signal_flags=("--signals-to-handle=SIGINT,SIGHUP,SIGQUIT" "--shutdown-timeout=$shutdown_timeout")
+fi
+
+# A restarted or requeued job (same RDZV_ID or SLURM job id) finds its run folder by this id.
+export DDP_JOB_ID="${RDZV_ID:-${SLURM_JOB_ID:-}}"
+
+(
+  trap '' TERM USR1  # torchrun and the workers start ignoring them; the workers then handle them
+  exec torchrun "${rendezvous[@]}" --nproc_per_node="$nproc_per_node" \
+    --max-restarts="$max_restarts" "${signal_flags[@]}" "$script" "$@"
+) &
+launcher=$!
+interrupted=""
+# shellcheck disable=SC2329  # called by the traps below
+forward() {  # SIGINT to torchrun (it stops the workers), the others to the workers themselves
+  local workers
+  [[ "$1" == INT ]] && interrupted=1
+  workers="$(pgrep -P "$launcher" 2>/dev/null || true)"
+  if [[ "$1" == INT || -z "$workers" ]]; then
+    kill -s "$1" "$launcher" 2>/dev/null || true
+  else
+    # shellcheck disable=SC2086  # one pid per word
+    kill -s "$1" $workers 2>/dev/null || true
+  fi
+}
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+trap 'forward INT' INT
+# `wait` returns early when a trapped signal arrives: wait until torchrun has really ended.
+while kill -0 "$launcher" 2>/dev/null; do
+  wait "$launcher" || true
+done
 status=0
-torchrun "${rendezvous[@]}" --nproc_per_node="$nproc_per_node" \
-  --max-restarts="$max_restarts" "$script" "$@" || status=$?
-if [[ -s "$error_file" ]]; then
-  exit 2
+wait "$launcher" || status=$?
+case "$(head -c 40 "$status_file")" in
+  error:*) exit 2 ;;
+  preempted*) exit 75 ;;
+  stalled*) exit 1 ;;
+esac
+if [[ -n "$interrupted" ]]; then
+  exit 130
 fi
 exit "$status"

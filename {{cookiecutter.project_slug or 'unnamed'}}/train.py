@@ -145,6 +145,7 @@ class Setup:
     position: Position
     total_steps: int
     resumed: bool
+    supervisor: dist_utils.Supervisor  # preemption signals and stalls
 
     def parts(self) -> dict:
         """Everything a checkpoint saves and a resume restores, by name."""
@@ -188,15 +189,17 @@ def setup(argv: list[str]) -> Setup:
     scheduler = LRSchedule(optimizer, cfg.optim.warmup_steps, total_steps, cfg.optim.schedule)
     s = Setup(cfg, env, device, data, task, speed, model, optimizer, scheduler,
               grad_scaler(speed, device), TrainingLog(run.path, env, device), run.path,
-              Position(), total_steps, resumed=state is not None)
+              Position(), total_steps, resumed=state is not None,
+              supervisor=dist_utils.Supervisor(env, cfg.ddp.timeout_minutes))
     if state:
         with dist_utils.agree_on_errors():
             s.position = checkpoint.restore(state, s.parts(), resume_from, env)
         s.log.resume(s.position, truncate=s.position.step < total_steps)
         log.info("resumed from %s: step %d, epoch %d, %d step(s) into it", resume_from,
                  s.position.step, s.position.epoch + 1, s.position.step_in_epoch)
-    if env.is_main:
-        (run.path / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    with dist_utils.agree_on_errors():  # a full disk is one line, not a traceback on rank 0
+        if env.is_main:
+            checkpoint.write_text(run.path / "config.yaml", OmegaConf.to_yaml(cfg))
     return s
 
 
@@ -211,6 +214,16 @@ def describe(s: Setup) -> None:
              "accumulation step(s)", data.micro_batch_size * env.world_size
              * cfg.train.grad_accum_steps, data.micro_batch_size, env.world_size,
              cfg.train.grad_accum_steps)
+
+
+def stop_for_preemption(s: Setup) -> None:
+    """Save where every rank stopped, then leave with the 'preempted' status (collective)."""
+    s.log.flush(s.position.step, s.scheduler.get_last_lr()[0])
+    checkpoint.save(s.run_dir, s.parts(), s.position, s.cfg, s.env)
+    s.log.close()
+    s.supervisor.settle()
+    raise dist_utils.Preempted(f"saved step {s.position.step} in {s.run_dir}; run the same "
+                               "command again to continue from there")
 
 
 def main(argv: list[str]) -> None:
@@ -243,6 +256,8 @@ def main(argv: list[str]) -> None:
             if position.step % log_every == 0 or position.step == first_step + 1:
                 train_log.flush(position.step, s.scheduler.get_last_lr()[0])
                 bar.set_postfix(loss=f"{train_log.last.get('loss', math.nan):.4f}")
+            if s.supervisor.should_stop():  # a preemption signal: every rank stops here
+                stop_for_preemption(s)
             if ckpt_every and position.step % ckpt_every == 0:
                 train_log.flush(position.step, s.scheduler.get_last_lr()[0])
                 checkpoint.save(s.run_dir, s.parts(), position, cfg, s.env)
@@ -255,7 +270,9 @@ def main(argv: list[str]) -> None:
         train_seconds = time.perf_counter() - epoch_start
         # Validation: the exact, sharded evaluation of evaluate.py, on the unwrapped model.
         val = evaluate_split(unwrap(model), data.eval_loader("val"), s.device, task, s.speed,
-                             cfg.eval.binned_thresholds, detail=False)
+                             cfg.eval.binned_thresholds, detail=False, supervisor=s.supervisor)
+        if val is None:  # preempted during validation: it runs again after the resume
+            stop_for_preemption(s)
         val_seconds = time.perf_counter() - epoch_start - train_seconds
         record = train_log.end_epoch(position.epoch + 1, position.step, scalars(val), {
             "train": train_seconds, "val": val_seconds, "epoch": train_seconds + val_seconds})
@@ -268,6 +285,7 @@ def main(argv: list[str]) -> None:
     if last_saved != position.step:
         checkpoint.save(s.run_dir, s.parts(), position, cfg, s.env)
     train_log.close()
+    s.supervisor.settle()
     log.info("done: checkpoints in %s, TensorBoard logs in %s", s.run_dir / "checkpoints",
              s.run_dir / "tb")
     log.info("evaluate with: ./run.sh evaluate.py eval.checkpoint=%s", s.run_dir)

@@ -17,8 +17,10 @@ next one starts, before a checkpoint, or at the end of the epoch:
 A new value reaches all three by being in the dict the task returns; nothing here names one.
 """
 
+import contextlib
 import itertools
 import json
+import logging
 import math
 import queue
 import threading
@@ -31,6 +33,8 @@ import dist_utils
 from checkpoint import Position
 from config import UserError
 from dist_utils import DistEnv
+
+log = logging.getLogger("ddp")
 
 
 def _append_json(path: Path, record: dict) -> None:
@@ -67,26 +71,27 @@ class Writer:
 
     def write(self, file_name: str, record: dict, scalars: dict, step: int) -> None:
         """Append `record` to `file_name`, and `scalars` (tag -> number) to TensorBoard."""
-        if self.failed:
-            raise self.failed
         self.queue.put((file_name, record, scalars, step))
 
     def _work(self) -> None:
         while (item := self.queue.get()) is not None:
+            if self.failed:
+                continue
             try:
                 file_name, record, scalars, step = item
                 for tag, value in scalars.items():
                     self.tensorboard.add_scalar(tag, value, step)
                 _append_json(self.run_dir / file_name, record)
-            except BaseException as error:  # raised again in the training loop
+            except OSError as error:  # a full disk, say: say so once; training goes on
                 self.failed = error
-        self.tensorboard.close()
+                log.warning("cannot write the training log in %s (%s): training goes on; a "
+                            "checkpoint that cannot be written stops it", self.run_dir, error)
+        with contextlib.suppress(OSError):
+            self.tensorboard.close()
 
     def close(self) -> None:
         self.queue.put(None)
         self.thread.join()
-        if self.failed:
-            raise self.failed
 
 
 class TrainingLog:

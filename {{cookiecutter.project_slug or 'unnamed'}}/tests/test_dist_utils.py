@@ -49,7 +49,7 @@ def test_save_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint.torch, "save", write_half_then_fail)
-    with pytest.raises(OSError):
+    with pytest.raises(UserError, match=f"cannot write {path}: disk full"):
         checkpoint.save_checkpoint({"model": {"w": torch.zeros(2)}}, path)
     assert torch.equal(checkpoint.load_checkpoint(path)["model"]["w"], torch.ones(2))
     assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left behind

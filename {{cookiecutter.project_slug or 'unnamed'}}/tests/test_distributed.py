@@ -89,7 +89,7 @@ def test_classification_trains_with_run_sh_and_evaluates_exactly(tmp_path, tiny_
     assert len(list((run_dir / "tb").iterdir())) == 1  # one event file: rank 0's
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        ".torchelastic_run_id", "checkpoints", "config.yaml", "metrics.jsonl", "tb",
+        ".job_id", ".lock", "checkpoints", "config.yaml", "metrics.jsonl", "tb",
         "train_log.jsonl"]
     ckpt = torch.load(run_dir / "checkpoints" / saved[-1], weights_only=True)
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])

@@ -1,6 +1,7 @@
 """Faults with real processes: killed workers, killed checkpoint writes, a raising rank, bad
 resume input. torchrun restarts the workers (run.sh's --max-restarts) and train.py resumes."""
 
+import contextlib
 import json
 import os
 import signal
@@ -78,8 +79,18 @@ def finish(launcher: subprocess.Popen, timeout: float = 120) -> str:
     try:
         return launcher.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
-        os.killpg(launcher.pid, signal.SIGKILL)
+        kill_tree(launcher)
         raise AssertionError(f"the job hung:\n{launcher.communicate()[0][-3000:]}") from None
+
+
+def kill_tree(launcher: subprocess.Popen) -> None:
+    """SIGKILL run.sh's process group and everything below it (run.sh starts torchrun and the
+    workers in a process group of their own)."""
+    below = descendants(launcher.pid)
+    os.killpg(launcher.pid, signal.SIGKILL)
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def kill_worker(launcher: subprocess.Popen, rank: int) -> None:
@@ -191,8 +202,12 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
     assert not marker.exists()
 
 
-def test_rerunning_a_finished_run_changes_no_record(tmp_path):
-    args = [sys.executable, "train.py", *TINY, "train.epochs=2", f"run.dir={tmp_path / 'run'}"]
+# The last checkpoint: written by the final save after the loop (every 20 steps), or by the
+# periodic save at the last step, before that epoch's validation (every 19 steps: 2 epochs of 19).
+@pytest.mark.parametrize("ckpt_every", [20, 19])
+def test_rerunning_a_finished_run_changes_no_record(tmp_path, ckpt_every):
+    args = [sys.executable, "train.py", *TINY, "train.epochs=2", f"train.ckpt_every={ckpt_every}",
+            f"run.dir={tmp_path / 'run'}"]
     assert run(args).returncode == 0
     before = [(tmp_path / "run" / name).read_text() for name in ("metrics.jsonl",
                                                                   "train_log.jsonl")]

@@ -1,0 +1,122 @@
+"""A baked project's slurm.sbatch on a real one-node SLURM cluster (Debian's slurmctld, slurmd
+and munge, started here by scripts/slurm_cluster.sh and stopped after): the job is preempted
+with `scancel --signal=TERM`, checkpoints the step it reached, requeues itself and finishes
+with the same weights and epoch metrics as an uninterrupted run."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TEMPLATE, command_env, run
+
+pytestmark = pytest.mark.slow
+
+# The baked project's small test model and data, 10 epochs of 9 steps, checkpoints only at the
+# end (whatever the preemption saves, it saved on its own) and a validation long enough to land
+# in now and then.
+ARGS = ["data.dataset=tests/fixtures.py:vectors", "model.name=tests/fixtures.py:mlp",
+        "model.hidden_dim=32", "train.global_batch_size=12", "train.epochs=10",
+        "train.log_every=1", "train.ckpt_every=0", "data.val_fraction=0.5", "eval.batch_size=1",
+        "optim.warmup_steps=5", "optim.lr=0.01", "train.progress_bar=false"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("starting SLURM's daemons (and installing them) needs root")
+    folder = tmp_path_factory.mktemp("slurm")
+    env = {"SLURM_CLUSTER_DIR": str(folder / "cluster"),
+           "SLURM_CONF": str(folder / "cluster" / "slurm.conf")}
+    script = TEMPLATE / "scripts" / "slurm_cluster.sh"
+    started = subprocess.run(["bash", str(script), "start"], env={**os.environ, **env},
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             timeout=900, check=False)
+    try:
+        assert started.returncode == 0, started.stdout
+        yield env
+    finally:
+        subprocess.run(["bash", str(script), "stop"], env={**os.environ, **env}, timeout=120,
+                       check=False)
+
+
+def job_state(job: str, env: dict) -> dict:
+    """`scontrol show job` as a dict (finished jobs stay listed for a few minutes)."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+    return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+
+
+def logged_steps(output_dir: Path) -> int:
+    logs = list(output_dir.glob("*/train_log.jsonl"))
+    return len(logs[0].read_text().splitlines()) if logs else 0
+
+
+def wait(condition, what: str, timeout: float, job: str, env: dict, project: Path):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            out = project / f"slurm-{job}.out"
+            raise AssertionError(f"timed out waiting for {what}; job: {job_state(job, env)}\n"
+                                 f"{out.read_text() if out.exists() else '(no output file)'}")
+        time.sleep(0.05)
+
+
+def final_weights(run_dir: Path) -> dict:
+    last = sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1]
+    return torch.load(last, map_location="cpu", weights_only=True)["model"]
+
+
+def epoch_records(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if not k.endswith("_seconds")}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sbatch_preempted_requeues_itself_and_finishes_as_if_uninterrupted(
+        cluster, cookies, tmp_path):
+    baked = cookies.bake(extra_context={"scheduler": "slurm"})
+    assert baked.exit_code == 0, baked.exception
+    project = baked.project_path
+    reference = run(["./run.sh", *ARGS, f"run.dir={tmp_path / 'reference'}"], cwd=project,
+                    NPROC_PER_NODE="2")
+    assert reference.returncode == 0, reference.stdout
+
+    # sbatch passes this environment on to the job: the test's Python and torchrun on PATH.
+    env = command_env(**cluster, MASTER_PORT=str(free_port()))
+    submitted = subprocess.run(["sbatch", "--parsable", "slurm.sbatch", *ARGS,
+                                f"run.output_dir={tmp_path / 'runs'}"], cwd=project, env=env,
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               timeout=60, check=False)
+    assert submitted.returncode == 0, submitted.stdout
+    job = submitted.stdout.strip().split(";")[0]
+    wait(lambda: logged_steps(tmp_path / "runs") >= 30, "30 logged steps", 300, job, env,
+         project)
+    subprocess.run(["scancel", "--signal=TERM", job], env=env, check=True, timeout=60)
+
+    wait(lambda: job_state(job, env).get("JobState") == "COMPLETED", "the requeued job to "
+         "finish", 600, job, env, project)
+    state = job_state(job, env)
+    assert state["Restarts"] == "1", state  # requeued once, by slurm.sbatch itself
+    output = (project / f"slurm-{job}.out").read_text()  # both runs of the job (--open-mode)
+    saved = re.search(r"preempted: saved step (\d+)", output)
+    assert saved and output.count("preempted: saved step") == 1, output
+    assert f"requeueing job {job}" in output, output
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert f"resumed from {run_dir}/checkpoints/step-{int(saved[1]):08d}.pt" in output, output
+    assert "Traceback" not in output, output
+
+    resumed, expected = final_weights(run_dir), final_weights(tmp_path / "reference")
+    assert resumed.keys() == expected.keys()
+    assert all(torch.equal(resumed[k], expected[k]) for k in expected)
+    assert epoch_records(run_dir) == epoch_records(tmp_path / "reference")

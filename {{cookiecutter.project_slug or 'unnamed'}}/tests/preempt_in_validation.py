@@ -1,0 +1,33 @@
+"""train.py that lets a test preempt it inside a validation: at validation number
+PREEMPT_VALIDATION, rank 0 creates the file PREEMPT_MARKER and every rank waits for its
+preemption signal before validating. Run by test_cluster.py through run.sh, which then sends
+SIGTERM: the signal arrives while the job is validating, however fast this machine is."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import dist_utils  # noqa: E402
+import train  # noqa: E402
+
+real_evaluate = train.evaluate_split
+calls = [0]
+
+
+def evaluate_after_the_signal(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == int(os.environ["PREEMPT_VALIDATION"]):
+        if os.environ["RANK"] == "0":
+            Path(os.environ["PREEMPT_MARKER"]).touch()
+        while not dist_utils.PREEMPTION_SIGNALS_RECEIVED:  # a signal cuts each wait short
+            time.sleep(1)
+    return real_evaluate(*args, **kwargs)
+
+
+train.evaluate_split = evaluate_after_the_signal
+
+if __name__ == "__main__":
+    dist_utils.run_main(train.main)

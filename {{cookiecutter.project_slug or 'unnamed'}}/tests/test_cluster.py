@@ -1,0 +1,226 @@
+"""Cluster life with real processes: preemption signals save the step reached and the same command
+resumes; one job per run folder; a stalled rank is named; a full disk is one line; launch
+mistakes are one line."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_faults import descendants, epoch_records, final_model, finish, kill_tree, wait_for
+
+from checkpoint import list_checkpoints, load_checkpoint
+from config import load_config
+from conftest import PROJECT, TINY, command_env, only_run_dir, run
+from data import DataModule
+from dist_utils import DistEnv
+
+PREEMPTED = 75
+# 10 epochs, checkpoints only at the end: whatever a preemption saves, it saved on its own.
+# A large val split read one sample at a time: about 0.1 s of validation an epoch.
+LONG = [*TINY, "train.epochs=10", "train.log_every=1", "train.ckpt_every=0",
+        "data.val_fraction=0.5", "eval.batch_size=1"]
+EPOCH_STEPS = DataModule(load_config(LONG), DistEnv(0, 0, 2, True),
+                         torch.device("cpu")).steps_per_epoch
+
+
+def launch(args: list[str], **env: str) -> subprocess.Popen:
+    """./run.sh in a session of its own (its process group: run.sh alone; torchrun and the
+    workers get one of their own from run.sh)."""
+    return subprocess.Popen(["./run.sh", *args], cwd=PROJECT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=command_env(NPROC_PER_NODE="2", **env))
+
+
+def logged(output_dir: Path) -> list[dict]:
+    logs = list(output_dir.glob("*/train_log.jsonl")) or list(output_dir.glob("train_log.jsonl"))
+    if not logs:
+        return []
+    return [json.loads(line) for line in logs[0].read_text().splitlines() if line.endswith("}")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("reference")
+    result = run(["./run.sh", *LONG, f"run.dir={out}"], NPROC_PER_NODE="2")
+    assert result.returncode == 0, result.stdout
+    return {"model": final_model(out), "epochs": epoch_records(out)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(5))
+def test_sigterm_saves_the_step_reached_and_the_same_command_resumes(tmp_path, reference, trial):
+    args = [*LONG, f"run.output_dir={tmp_path}"]
+    job = {"RDZV_ID": f"preempt-{trial}"}  # what a requeued SLURM job keeps: its job id
+    total = 10 * EPOCH_STEPS
+    if trial == 0:  # inside the third epoch's validation
+        marker = tmp_path.parent / f"{tmp_path.name}-validating"
+        launcher = launch(["tests/preempt_in_validation.py", *args], **job,
+                          PREEMPT_VALIDATION="3", PREEMPT_MARKER=str(marker))
+        wait_for(marker.exists, launcher, "the third validation")
+    else:
+        launcher = launch(args, **job)
+        stop_after = random.Random(trial).randrange(5, total - 5)
+        wait_for(lambda: len(logged(tmp_path)) >= stop_after, launcher, f"step {stop_after}")
+    os.killpg(launcher.pid, signal.SIGTERM)  # run.sh's process group, as a scheduler does
+    output = finish(launcher)
+    assert launcher.returncode == PREEMPTED, output
+    assert output.count("preempted: saved step") == 1, output
+    run_dir = only_run_dir(tmp_path)
+    saved = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])
+    assert saved["step"] == logged(tmp_path)[-1]["step"]  # 0 steps lost: it saved the step reached
+    if trial == 0:  # the third epoch's steps done, its validation not
+        assert saved["step"] == 3 * EPOCH_STEPS and len(epoch_records(run_dir)) == 2
+    assert "Traceback" not in output and "restart" not in output.lower(), output
+
+    again = run(["./run.sh", *args], NPROC_PER_NODE="2", **job)  # the same command, requeued
+    assert again.returncode == 0, again.stdout
+    assert f"resumed from {run_dir}" in again.stdout  # the same folder, found by the job id
+    resumed = final_model(run_dir)
+    assert all(torch.equal(resumed[k], reference["model"][k]) for k in resumed)
+    assert epoch_records(run_dir) == reference["epochs"]
+    assert [r["step"] for r in logged(tmp_path)] == list(range(1, total + 1))
+
+
+@pytest.mark.slow
+def test_a_second_job_on_the_same_run_folder_is_refused(tmp_path):
+    args = [*TINY, "train.epochs=6", "train.ckpt_every=10"]
+    solo = run(["./run.sh", *args, f"run.dir={tmp_path / 'solo'}"], NPROC_PER_NODE="2")
+    assert solo.returncode == 0, solo.stdout
+    first = launch([*args, f"run.dir={tmp_path / 'shared'}"])
+    wait_for(lambda: len(logged(tmp_path / "shared")) >= 2, first, "the first job's steps")
+    # The first job's workers are paused (not ended) while the second job starts: it is still
+    # running, whatever the speed of this machine, and holds the lock.
+    workers = [pid for pid in descendants(first.pid) if b"train.py" in
+               Path(f"/proc/{pid}/cmdline").read_bytes()]
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        second = run(["./run.sh", *args, f"run.dir={tmp_path / 'shared'}"], NPROC_PER_NODE="2")
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+    holder = json.loads((tmp_path / "shared" / ".lock").read_text())
+    output = finish(first)
+    assert first.returncode == 0, output
+    assert second.returncode == 2, second.stdout
+    assert second.stdout.strip().splitlines()[-1].endswith(
+        f"error: run folder {tmp_path / 'shared'} is in use by another job (host "
+        f"{holder['host']}, pid {holder['pid']}): wait for it to end, or use another run.dir")
+    assert second.stdout.count("error") == 1, second.stdout
+
+    def records(path: Path) -> list[dict]:  # timings aside
+        return [{k: v for k, v in json.loads(line).items()
+                 if k not in ("time", "samples_per_s") and not k.endswith("_seconds")}
+                for line in path.read_text().splitlines()]
+
+    for name in ("train_log.jsonl", "metrics.jsonl"):  # the first job ran as if alone
+        assert records(tmp_path / "shared" / name) == records(tmp_path / "solo" / name), name
+
+
+@pytest.mark.slow
+def test_the_lock_of_a_killed_job_is_taken_over(tmp_path):
+    args = [*TINY, "train.epochs=6", "train.ckpt_every=5", f"run.dir={tmp_path}"]
+    killed = launch(args, MAX_RESTARTS="0")
+    wait_for(lambda: list_checkpoints(tmp_path / "checkpoints"), killed, "a checkpoint")
+    holder = json.loads((tmp_path / ".lock").read_text())
+    everyone = descendants(killed.pid)
+    kill_tree(killed)  # SIGKILL: nothing runs to release the lock but the kernel
+    killed.wait()
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in everyone):
+        assert time.monotonic() < deadline, "the killed job's processes are still there"
+        time.sleep(0.05)
+    again = run(["./run.sh", *args], NPROC_PER_NODE="2")
+    assert again.returncode == 0, again.stdout
+    assert (f"took over run folder {tmp_path} from host {holder['host']}, pid "
+            f"{holder['pid']}, which is no longer running") in again.stdout
+    assert "resumed from" in again.stdout
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_is_named_with_its_line_and_the_job_ends(tmp_path):
+    start = time.monotonic()
+    launcher = launch(["tests/stall_at_step.py", *TINY, "ddp.timeout_minutes=0.5",
+                       f"run.output_dir={tmp_path}"], STALL_STEP="20", STALL_RANK="1")
+    output = finish(launcher, timeout=150)
+    took = time.monotonic() - start
+    assert took < 90, f"{took:.0f} s:\n{output}"
+    assert launcher.returncode == 1, output
+    stalls = [line for line in output.splitlines() if "the job stalled" in line]
+    assert len(stalls) == 1, output
+    line = next(n for n, text in enumerate(
+        (PROJECT / "tests" / "stall_at_step.py").read_text().splitlines(), 1) if "sleep(" in text)
+    assert "rank 1 (" in stalls[0] and f"tests/stall_at_step.py:{line} in " in stalls[0], stalls
+    assert "restart" not in output.lower() and "Traceback" not in output, output
+    leftover = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                if str(tmp_path).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert leftover == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MB tmpfs (root only): room for a checkpoint or two of the model below."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(small_disk):
+    # 16-512-512-4: about 270,000 parameters, 3.3 MB a checkpoint with AdamW's state.
+    result = run(["./run.sh", *TINY, "model.hidden_dim=512", "train.ckpt_every=5",
+                  "train.keep_checkpoints=0", f"run.dir={small_disk / 'run'}"],
+                 NPROC_PER_NODE="2")
+    assert result.returncode == 2, result.stdout
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, result.stdout
+    assert "No space left on device" in errors[0] and "MB needed" in errors[0], errors
+    assert "resumed from" not in result.stdout  # not retried
+    saved = list_checkpoints(small_disk / "run" / "checkpoints")
+    assert saved and all(load_checkpoint(path)["model"] for path in saved)
+    assert list((small_disk / "run" / "checkpoints").glob(".*")) == []  # no partial file
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [({"RANK": "1"}, "RANK is set but RANK, LOCAL_RANK and WORLD_SIZE are not all whole numbers"),
+     ({"RANK": "0", "WORLD_SIZE": "2"},
+      "RANK and WORLD_SIZE are set but MASTER_ADDR and MASTER_PORT not")],
+    ids=["rank-alone", "no-master-addr"],
+)
+def test_a_half_set_distributed_environment_is_one_line(env, message):
+    result = subprocess.run([sys.executable, "train.py", *TINY], cwd=PROJECT, text=True,
+                            env={**command_env(), **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, timeout=60, check=False)
+    assert result.returncode == 2
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stdout
+
+
+@pytest.mark.slow
+def test_sigint_ends_the_job_with_status_130(tmp_path):
+    launcher = launch([*TINY, "train.epochs=50", f"run.output_dir={tmp_path}"])
+    wait_for(lambda: len(logged(tmp_path)) >= 3, launcher, "some steps")
+    os.killpg(launcher.pid, signal.SIGINT)
+    output = finish(launcher)
+    assert launcher.returncode == 130, output
+
+
+@pytest.mark.slow
+def test_resuming_with_more_processes_warns_once(tmp_path):
+    first = run([sys.executable, "train.py", *TINY, "train.max_steps=10", f"run.dir={tmp_path}"])
+    assert first.returncode == 0, first.stdout
+    second = run(["./run.sh", *TINY, f"run.dir={tmp_path}"], NPROC_PER_NODE="3")
+    assert second.returncode == 0, second.stdout
+    assert second.stdout.count("resuming 3 process(es) from a checkpoint of 1") == 1
