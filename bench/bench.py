@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,9 +77,12 @@ def run_measured(command: list[str], cwd: Path, log: Path, nproc: int = 2) -> tu
         _, status, usage = os.wait4(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
+        kept = Path(tempfile.gettempdir()) / f"bench-failed-{log.name}"
+        shutil.copyfile(log, kept)  # the run's folder goes with the bench's temporary folder
         tail = "\n".join(log.read_text().splitlines()[-30:])
         raise SystemExit(f"{tail}\nerror: {' '.join(command)} failed (exit status "
-                         f"{process.returncode}); the end of its output is above")
+                         f"{process.returncode}); the end of its output is above, all of it in "
+                         f"{kept}")
     return launched, usage.ru_maxrss / 1024
 
 

@@ -19,6 +19,7 @@ EXPECTED_FILES = {
     "tests/probes.py", "tests/test_faults.py", "tests/fail_at_step.py", "tests/test_launch.py",
     "tests/test_speed.py", "splits.py", "tests/test_experiments.py", "tests/test_training_log.py",
     "tests/test_cluster.py", "tests/stall_at_step.py", "tests/preempt_in_validation.py",
+    "tests/test_fsdp.py", "tests/reshard_probe.py",
 }
 
 

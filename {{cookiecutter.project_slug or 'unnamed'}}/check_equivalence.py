@@ -3,6 +3,7 @@
     python check_equivalence.py                          # 2 processes vs 1, default config
     python check_equivalence.py --nproc 4 --steps 10 model.name=mine
     python check_equivalence.py --nproc 2 --accum 2      # and gradient accumulation on top
+    python check_equivalence.py --strategy fsdp          # N processes with FSDP vs 1
 
 It trains the same config twice for a few optimizer steps, with the same *global* batch: once
 as one process (`python train.py`) and once under torchrun with --nproc processes (and
@@ -114,8 +115,9 @@ def train_both(args, common: list[str], steps: int) -> tuple:
             print(f"reusing the 1-process run in {one}")
         else:
             train(workdir, one.name, 1, common)
-        many = train(workdir, f"{args.nproc}-processes-accum-{args.accum}", args.nproc,
-                     [*common, f"train.grad_accum_steps={args.accum}"])
+        many = train(workdir, f"{args.nproc}-processes-{args.strategy}-accum-{args.accum}",
+                     args.nproc, [*common, f"train.grad_accum_steps={args.accum}",
+                                  f"parallel.strategy={args.strategy}"])
         return step_losses(one), step_losses(many), final_parameters(one), final_parameters(many)
 
 
@@ -123,6 +125,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="processes of the second run")
     parser.add_argument("--accum", type=int, default=1, help="grad_accum_steps of the 2nd run")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
+                        help="parallel.strategy of the 2nd run (the 1st is one plain process)")
     parser.add_argument("--steps", type=int, help="optimizer steps to compare (default: up to "
                         f"{DEFAULT_STEPS}, within the first epoch)")
     parser.add_argument("--rtol", type=float, default=1e-5, help="relative loss tolerance")

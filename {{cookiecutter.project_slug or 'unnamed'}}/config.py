@@ -106,6 +106,16 @@ class DDPConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # ddp: every process holds the whole model, its gradients and optimizer state (settings in
+    # ddp.*) | fsdp: FSDP2, each process holds 1/N of them and gathers a block's weights while
+    # it runs: for models that do not fit one device
+    strategy: str = "ddp"
+    reshard_after_forward: bool = True  # fsdp: free gathered weights after forward (less memory)
+    cpu_offload: bool = False  # fsdp: keep the weight and optimizer shards in CPU memory
+
+
+@dataclass
 class SpeedConfig:
     precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16
     tf32: bool = True  # TensorFloat-32 for float32 matmuls and convolutions (Ampere+ GPUs only)
@@ -138,6 +148,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -147,6 +158,7 @@ CHOICES = {
     "optim.schedule": ("cosine", "constant"),
     "train.device": ("auto", "cuda", "cpu"),
     "ddp.backend": ("auto", "nccl", "gloo"),
+    "parallel.strategy": ("ddp", "fsdp"),
     "speed.precision": ("auto", "fp32", "bf16", "fp16"),
     "speed.compile_mode": ("default", "reduce-overhead", "max-autotune"),
     "eval.split": ("test", "val"),
@@ -264,6 +276,9 @@ def _check_values(cfg: DictConfig, world_size: int | None) -> None:
     if cfg.eval.save_predictions and cfg.eval.binned_thresholds:
         raise UserError("eval.save_predictions=true needs every sample's row, which "
                         "eval.binned_thresholds does not keep: set one of them to its default")
+    if cfg.parallel.strategy == "fsdp" and cfg.speed.precision == "fp16":
+        raise UserError("parallel.strategy=fsdp does not take speed.precision=fp16 (its loss "
+                        "scaler is not shard-aware): use speed.precision=bf16 or fp32")
     if cfg.eval.curve_points < 2:
         raise UserError(f"eval.curve_points={cfg.eval.curve_points} is not valid: it must be >= 2")
     if world_size is not None:

@@ -26,8 +26,10 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader
 
 import dist_utils
+from config import UserError
 from data import EvalShardSampler, count_samples, to_device
 from dist_utils import Supervisor
+from parallel import is_sharded
 from speed import FLOAT32, Speed
 from tasks import Task
 
@@ -177,24 +179,36 @@ def evaluate_split(model: torch.nn.Module, loader: DataLoader, device: torch.dev
     was_training = model.training
     model.eval()
     outputs = SplitOutputs(task, bins)
-    common = common_batches(loader) if supervisor else 0
+    counts = batch_counts(loader)
+    common = min(counts) if supervisor and counts else 0
+    sharded = is_sharded(model)
+    if sharded and counts and min(counts) == 0:  # every rank knows: all of them stop here
+        raise UserError("parallel.strategy=fsdp evaluates with at least one sample per process: "
+                        "use fewer processes than the split has samples")
+    inputs = None
     for index, batch in enumerate(loader):
         if index < common and supervisor.should_stop():
             model.train(was_training)
             return None
         batch = to_device(batch, device)
+        inputs = speed.inputs(task.model_inputs(batch))
         with speed.autocast(device):
-            predicted = model(speed.inputs(task.model_inputs(batch)))
+            predicted = model(inputs)
         outputs.add(as_float64(predicted), batch)  # metrics in float64, whatever the autocast
+    if sharded and counts and len(loader) < max(counts):
+        # An FSDP forward gathers weights from every rank: a rank whose shard has one batch
+        # fewer runs its last batch once more, unrecorded, so that no rank waits in vain.
+        with speed.autocast(device):
+            model(inputs)
     model.train(was_training)
     return outputs.compute(shard_sizes(loader), reference, detail)  # the same calls everywhere
 
 
-def common_batches(loader: DataLoader) -> int:
-    """The batches every rank's shard has (0 when the shards' sizes are not known)."""
-    sizes = shard_sizes(loader)
+def batch_counts(loader: DataLoader) -> list[int]:
+    """Every rank's number of batches ([] when the shards' sizes are not known)."""
+    sizes = shard_sizes(loader) or []
     batch_size = loader.batch_size or loader.sampler.batch_size  # whole batches: a BatchSampler
-    return min(math.ceil(size / batch_size) for size in sizes) if sizes else 0
+    return [math.ceil(size / batch_size) for size in sizes]
 
 
 def scalars(result: dict) -> dict:

@@ -1,14 +1,28 @@
 """The model factory: build the model named in the config, place it on this rank's device, wrap it.
 
-`wrap_model` converts BatchNorm to statistics over all ranks when asked, wraps the model in
-DistributedDataParallel when there is a process group, and compiles it when asked; `unwrap`
-gives the user's module back (what checkpoints store). model.py holds the models themselves.
+`wrap_model` converts BatchNorm to statistics over all ranks when asked, then, when there is a
+process group, wraps the model in DistributedDataParallel (`parallel.strategy=ddp`) or shards it
+with FSDP2 (`parallel.strategy=fsdp`), and compiles it when asked; `unwrap` gives the user's
+module back. `skip_gradient_sync` (gradient accumulation) and `WholeState` (checkpoints) hide
+which of the two it is from the training loop. model.py holds the models themselves.
 """
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
@@ -96,14 +110,48 @@ def build_model(cfg: DictConfig, input_shape: tuple, num_classes: int) -> nn.Mod
     return builder(cfg, input_shape, num_classes)
 
 
+def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The units FSDP gathers one at a time: the model's own `fsdp_blocks()` if it has one, else
+    the children (with parameters) of the outermost nn.Sequential / nn.ModuleList stacks."""
+    if hasattr(model, "fsdp_blocks"):
+        return list(model.fsdp_blocks())
+    blocks = []
+    for child in model.children():
+        if isinstance(child, nn.Sequential | nn.ModuleList):
+            blocks += [block for block in child if any(True for _ in block.parameters())]
+        else:
+            blocks += fsdp_blocks(child)
+    return blocks
+
+
+def shard_model(model: nn.Module, cfg: DictConfig, device: torch.device, speed: Speed,
+                world_size: int) -> nn.Module:
+    """FSDP2: each block, then the rest of the model, sharded over every process."""
+    mesh = init_device_mesh(device.type, (world_size,))
+    options = {"mesh": mesh, "reshard_after_forward": cfg.parallel.reshard_after_forward}
+    if speed.autocast_dtype is not None and device.type == "cuda":
+        # Weights gathered in the autocast dtype, gradients reduced in float32.
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=speed.autocast_dtype,
+                                                    reduce_dtype=torch.float32)
+    if cfg.parallel.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for block in fsdp_blocks(model):
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
 def wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv, device: torch.device,
                speed: Speed) -> nn.Module:
-    """Move the model to this rank's device, wrap it in DDP when there is a process group, and
-    compile it when asked (DDP first, so the compiler sees DDP's gradient buckets)."""
+    """Move the model to this rank's device, wrap it in DDP or shard it with FSDP when there is a
+    process group, and compile it when asked (after wrapping, so the compiler sees DDP's
+    gradient buckets / FSDP's gathers)."""
     if cfg.model.sync_batchnorm and env.world_size > 1:
         model = convert_sync_batchnorm(model, device)
     model = model.to(device, memory_format=speed.memory_format)
-    if env.launched:
+    if env.launched and cfg.parallel.strategy == "fsdp":
+        model = shard_model(model, cfg, device, speed, env.world_size)
+    elif env.launched:
         model = DistributedDataParallel(
             model,
             # One process per GPU: the module lives on exactly this rank's device. CPU: none.
@@ -116,6 +164,61 @@ def wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv, device: torch.de
         model = torch.compile(model, mode=None if speed.compile_mode == "default"
                               else speed.compile_mode)
     return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(unwrap(model), FSDPModule)
+
+
+def skip_gradient_sync(model: nn.Module):
+    """A context in which backward accumulates gradients locally, without communicating (every
+    micro-batch of a step but the last): DDP's no_sync(), FSDP's requires_gradient_sync."""
+    inner = unwrap(model)
+    if isinstance(inner, FSDPModule):
+        return _fsdp_without_sync(inner)
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_without_sync(model: FSDPModule):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) value as one plain tensor, the same on every rank (collective)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+class WholeState:
+    """The model's or the optimizer's state as one whole state dict, whatever the strategy.
+
+    Checkpoints hold whole tensors keyed by parameter name, so they load at any number of
+    processes and with either strategy. With FSDP, state_dict() gathers the shards onto rank 0
+    (the other ranks get an empty dict; every rank must call it) and load_state_dict() keeps
+    each rank's shard of the whole tensors it is given.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        self.model, self.optimizer = unwrap(model), optimizer
+
+    def state_dict(self) -> dict:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if self.optimizer is None:
+            return get_model_state_dict(self.model, options=options)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
+
+    def load_state_dict(self, state: dict) -> None:
+        options = StateDictOptions(full_state_dict=True)
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state, options=options)
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -29,7 +29,7 @@ from checkpoint import Position
 from config import load_config
 from data import DataModule, count_samples, to_device
 from evaluation import evaluate_split, loss_terms, scalars
-from parallel import build_model, unwrap, wrap_model
+from parallel import WholeState, build_model, full_tensor, skip_gradient_sync, unwrap, wrap_model
 from speed import FLOAT32, Speed, build_optimizer, grad_scaler, resolve_speed
 from speed import describe as describe_speed
 from tasks import Task, build_task
@@ -97,8 +97,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     optimizer.zero_grad(set_to_none=True)
     for index, (batch, size) in enumerate(zip(micro_batches, sizes, strict=True)):
         batch = to_device(batch, device)
-        skip_sync = index < len(micro_batches) - 1 and hasattr(model, "no_sync")
-        with model.no_sync() if skip_sync else contextlib.nullcontext():
+        skip_sync = index < len(micro_batches) - 1
+        with skip_gradient_sync(model) if skip_sync else contextlib.nullcontext():
             with speed.autocast(device):
                 outputs = model(speed.inputs(task.model_inputs(batch)))
                 terms = loss_terms(task.loss(outputs, batch))
@@ -117,7 +117,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
         if scaler:
             scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
         # The gradients are already averaged over ranks, so every rank computes the same norm.
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        # (With FSDP each rank holds a shard: the norm is over all shards, the same everywhere.)
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
     if scaler:
         scaler.step(optimizer)  # skipped if fp16 overflowed; the scale then shrinks
         scaler.update()
@@ -149,8 +150,11 @@ class Setup:
 
     def parts(self) -> dict:
         """Everything a checkpoint saves and a resume restores, by name."""
-        return {"model": unwrap(self.model), "optimizer": self.optimizer,
-                "scheduler": self.scheduler, "scaler": self.scaler, "train_log": self.log}
+        # Whole tensors keyed by parameter name, whatever the strategy (with FSDP: gathered from
+        # the shards, a collective), so a checkpoint resumes at any process count.
+        return {"model": WholeState(self.model), "optimizer": WholeState(self.model,
+                self.optimizer), "scheduler": self.scheduler, "scaler": self.scaler,
+                "train_log": self.log}
 
 
 def setup(argv: list[str]) -> Setup:

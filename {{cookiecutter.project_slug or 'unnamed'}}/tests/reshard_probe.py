@@ -1,0 +1,60 @@
+"""Resume a run as train.py would (its latest checkpoint, at this process count and strategy),
+then gather the model and optimizer state back from the processes and compare them with the
+checkpoint's: prints `same state: N tensors` on rank 0, or fails. Run by test_fsdp.py."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import checkpoint  # noqa: E402
+import dist_utils  # noqa: E402
+import train  # noqa: E402
+
+
+def differences(saved, restored, where: str = "") -> list[str]:
+    """Where two nested states differ (tensors: torch.equal; anything else: ==)."""
+    if isinstance(saved, dict) and isinstance(restored, dict):
+        if saved.keys() != restored.keys():
+            return [f"{where}: keys {sorted(saved)} != {sorted(restored)}"]
+        return [found for key in saved
+                for found in differences(saved[key], restored[key], f"{where}/{key}")]
+    if isinstance(saved, list | tuple) and isinstance(restored, list | tuple):
+        if len(saved) != len(restored):
+            return [f"{where}: lengths {len(saved)} != {len(restored)}"]
+        return [found for i, (a, b) in enumerate(zip(saved, restored, strict=True))
+                for found in differences(a, b, f"{where}/{i}")]
+    if isinstance(saved, torch.Tensor) and isinstance(restored, torch.Tensor):
+        return [] if torch.equal(saved, restored.to(saved.device)) else [f"{where}: values"]
+    return [] if saved == restored else [f"{where}: {saved!r} != {restored!r}"]
+
+
+def count_tensors(state) -> int:
+    if isinstance(state, dict):
+        return sum(count_tensors(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(count_tensors(v) for v in state)
+    return int(isinstance(state, torch.Tensor))
+
+
+def main(argv: list[str]) -> None:
+    s = train.setup(argv)
+    assert s.resumed, "the probe needs a run folder with a checkpoint (run.dir=...)"
+    parts = s.parts()
+    restored = {"model": parts["model"].state_dict(), "optimizer": parts["optimizer"].state_dict()}
+    if s.env.is_main:
+        latest = checkpoint.list_checkpoints(s.run_dir / "checkpoints")[-1]
+        saved = checkpoint.load_checkpoint(latest)
+        saved = {"model": saved["model"], "optimizer": saved["optimizer"]}
+        found = differences(saved, restored)
+        if found:
+            raise AssertionError("restored state differs: " + "; ".join(found[:10]))
+        print(f"same state: {count_tensors(saved)} tensors", flush=True)
+    s.log.close()
+    s.supervisor.settle()
+
+
+if __name__ == "__main__":
+    dist_utils.run_main(main)
