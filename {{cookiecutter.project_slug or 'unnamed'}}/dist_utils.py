@@ -418,8 +418,11 @@ def run_main(main: Callable[[list[str]], None]) -> None:
         cleanup()
         sys.exit(0 if os.environ.get("RUN_SH_STATUS_FILE") else PREEMPTED_EXIT)
     except KeyboardInterrupt:
-        cleanup()
-        sys.exit(130)
+        # Ctrl-C: leave at once. No destroy_process_group: a peer interrupted in the middle of
+        # a collective would leave it waiting (torchrun then kills the job after its timeout).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     except Exception as error:
         if UNUSED_PARAMETERS in str(error):
             # DDP's own message is a page long; the fix is one setting. Every rank runs the same
