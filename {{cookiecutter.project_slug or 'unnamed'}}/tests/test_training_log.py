@@ -51,9 +51,9 @@ def test_throughput_counts_training_steps_only(tmp_path):
     rates = [w["samples_per_s"] for w in windows]
     median = statistics.median(rates)
     window_seconds = 35 / median  # 7 steps x 5 samples
-    # The test has teeth: validation takes longer than two windows of training, so a window
-    # that counted it would run at a third of the others' rate or less.
-    assert min(e["val_seconds"] for e in epochs) > 2 * window_seconds, (epochs, rates)
+    # The test has teeth: validation takes longer than a window of training, so a window that
+    # counted it would run at less than half the others' rate (the check below).
+    assert min(e["val_seconds"] for e in epochs) > 1.2 * window_seconds, (epochs, rates)
     assert len(windows) == 12  # 3 windows an epoch, every step covered
     assert all(median / 2 < rate < median * 2 for rate in rates), rates
     for epoch in epochs:
