@@ -6,9 +6,9 @@ environment and degrades to a no-op when there is only one process, so the train
 needs an `if distributed:` of its own.
 """
 
+import atexit
 import contextlib
 import datetime
-import gc
 import json
 import logging
 import os
@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -218,10 +219,26 @@ def _exit_on_user_error(message: str) -> None:
     except Exception:  # the other ranks are not coming: this rank alone hit the problem
         print(f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
         os._exit(2)
-    cleanup()
     # Under run.sh every rank has agreed and the error is on record: exit 0 so that torchrun
     # does not restart a job whose input is wrong; run.sh exits 2. Elsewhere: exit 2.
-    sys.exit(0 if os.environ.get("RUN_SH_STATUS_FILE") else 2)
+    leave(0 if os.environ.get("RUN_SH_STATUS_FILE") else 2)
+
+
+def leave(code: int) -> NoReturn:
+    """End this process in order, but without the interpreter's own teardown: leave the process
+    groups, run the exit handlers (logging, trackers, DataLoader workers), flush, and exit.
+
+    The teardown would free what is still alive at the end (the DDP model, and the process
+    group its reducer holds) with the interpreter lock held. Gloo's destructor joins its worker
+    threads, and a worker still releasing the tensors of a collective that just finished waits
+    for that lock: the process hangs for good (seen with torch 2.13 on a busy machine, once in a
+    few preempted runs). os._exit skips the teardown; the kernel frees the rest.
+    """
+    cleanup()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _world_size_given() -> int:
@@ -415,8 +432,7 @@ def run_main(main: Callable[[list[str]], None]) -> None:
         if is_main_process():
             print(f"preempted: {stop}", file=sys.stderr, flush=True)
             _tell_run_sh("preempted")
-        cleanup()
-        sys.exit(0 if os.environ.get("RUN_SH_STATUS_FILE") else PREEMPTED_EXIT)
+        leave(0 if os.environ.get("RUN_SH_STATUS_FILE") else PREEMPTED_EXIT)
     except KeyboardInterrupt:
         # Ctrl-C: leave at once. No destroy_process_group: a peer interrupted in the middle of
         # a collective would leave it waiting (torchrun then kills the job after its timeout).
@@ -440,9 +456,7 @@ def run_main(main: Callable[[list[str]], None]) -> None:
         sys.stderr.flush()
         # No destroy_process_group: with a peer gone it could wait for that peer forever.
         os._exit(1)
-    # Free objects kept alive only by reference cycles (a DDP model often is) while the
-    # interpreter and the process group are still whole: freed during interpreter shutdown
-    # instead, a DDP model with a Python communication hook can abort the process (SIGABRT,
-    # "terminate called without an active exception"), which torchrun takes for a failure.
-    gc.collect()
-    cleanup()
+    # Not the interpreter's teardown (see leave): freed there, a DDP model can also abort the
+    # process (SIGABRT, "terminate called without an active exception"), which torchrun takes
+    # for a failure.
+    leave(0)

@@ -22,9 +22,10 @@ from data import DataModule
 from dist_utils import DistEnv
 
 PREEMPTED = 75
-# 10 epochs, checkpoints only at the end: whatever a preemption saves, it saved on its own.
+# 6 epochs, checkpoints only at the end: whatever a preemption saves, it saved on its own.
 # A large val split read one sample at a time: about 0.1 s of validation an epoch.
-LONG = [*TINY, "train.epochs=10", "train.log_every=1", "train.ckpt_every=0",
+EPOCHS = 6
+LONG = [*TINY, f"train.epochs={EPOCHS}", "train.log_every=1", "train.ckpt_every=0",
         "data.val_fraction=0.5", "eval.batch_size=1"]
 EPOCH_STEPS = DataModule(load_config(LONG), DistEnv(0, 0, 2, True),
                          torch.device("cpu")).steps_per_epoch
@@ -58,7 +59,7 @@ def reference(tmp_path_factory) -> dict:
 def test_sigterm_saves_the_step_reached_and_the_same_command_resumes(tmp_path, reference, trial):
     args = [*LONG, f"run.output_dir={tmp_path}"]
     job = {"RDZV_ID": f"preempt-{trial}"}  # what a requeued SLURM job keeps: its job id
-    total = 10 * EPOCH_STEPS
+    total = EPOCHS * EPOCH_STEPS
     if trial == 0:  # inside the third epoch's validation
         marker = tmp_path.parent / f"{tmp_path.name}-validating"
         launcher = launch(["tests/preempt_in_validation.py", *args], **job,
@@ -90,7 +91,7 @@ def test_sigterm_saves_the_step_reached_and_the_same_command_resumes(tmp_path, r
 
 @pytest.mark.slow
 def test_a_second_job_on_the_same_run_folder_is_refused(tmp_path):
-    args = [*TINY, "train.epochs=6", "train.ckpt_every=10"]
+    args = [*TINY, "train.epochs=3", "train.ckpt_every=10"]
     solo = run(["./run.sh", *args, f"run.dir={tmp_path / 'solo'}"], NPROC_PER_NODE="2")
     assert solo.returncode == 0, solo.stdout
     first = launch([*args, f"run.dir={tmp_path / 'shared'}"])
@@ -126,7 +127,7 @@ def test_a_second_job_on_the_same_run_folder_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_the_lock_of_a_killed_job_is_taken_over(tmp_path):
-    args = [*TINY, "train.epochs=6", "train.ckpt_every=5", f"run.dir={tmp_path}"]
+    args = [*TINY, "train.ckpt_every=5", f"run.dir={tmp_path}"]
     killed = launch(args, MAX_RESTARTS="0")
     wait_for(lambda: list_checkpoints(tmp_path / "checkpoints"), killed, "a checkpoint")
     holder = json.loads((tmp_path / ".lock").read_text())
@@ -147,11 +148,11 @@ def test_the_lock_of_a_killed_job_is_taken_over(tmp_path):
 @pytest.mark.slow
 def test_a_stalled_rank_is_named_with_its_line_and_the_job_ends(tmp_path):
     start = time.monotonic()
-    launcher = launch(["tests/stall_at_step.py", *TINY, "ddp.timeout_minutes=0.5",
+    launcher = launch(["tests/stall_at_step.py", *TINY, "ddp.timeout_minutes=0.25",
                        f"run.output_dir={tmp_path}"], STALL_STEP="20", STALL_RANK="1")
     output = finish(launcher, timeout=150)
     took = time.monotonic() - start
-    assert took < 90, f"{took:.0f} s:\n{output}"
+    assert took < 60, f"{took:.0f} s:\n{output}"
     assert launcher.returncode == 1, output
     stalls = [line for line in output.splitlines() if "the job stalled" in line]
     assert len(stalls) == 1, output
@@ -215,12 +216,3 @@ def test_sigint_ends_the_job_with_status_130(tmp_path):
     os.killpg(launcher.pid, signal.SIGINT)
     output = finish(launcher)
     assert launcher.returncode == 130, output
-
-
-@pytest.mark.slow
-def test_resuming_with_more_processes_warns_once(tmp_path):
-    first = run([sys.executable, "train.py", *TINY, "train.max_steps=10", f"run.dir={tmp_path}"])
-    assert first.returncode == 0, first.stdout
-    second = run(["./run.sh", *TINY, f"run.dir={tmp_path}"], NPROC_PER_NODE="3")
-    assert second.returncode == 0, second.stdout
-    assert second.stdout.count("resuming 3 process(es) from a checkpoint of 1") == 1

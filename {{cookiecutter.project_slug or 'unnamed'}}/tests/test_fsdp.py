@@ -7,12 +7,7 @@ import shutil
 import sys
 
 import pytest
-from test_distributed import (
-    assert_same_numbers,
-    check_equivalence,
-    evaluate_at_1_2_3,
-    evaluate_with,
-)
+from test_distributed import assert_same_numbers, check_equivalence, evaluate_with
 
 from checkpoint import list_checkpoints
 from conftest import TINY, only_run_dir, run
@@ -35,9 +30,10 @@ def test_fsdp_trains_like_one_process(equivalence_dir, nproc, accum, clip):
     assert f"PASS: {nproc} process(es) x {accum} accumulation step(s)" in result.stdout
 
 
-def test_fsdp_validates_and_evaluates_exactly(tmp_path):
+def test_fsdp_validates_exactly(tmp_path):
     # 3 processes, one sample a batch: the val split's shards (17, 18, 18 samples) differ in
-    # their number of batches, and every FSDP forward is a collective.
+    # their number of batches, and every FSDP forward is a collective. (evaluate.py loads any
+    # checkpoint into the bare model: the DDP tests cover it.)
     result = run(["./run.sh", *TINY, FSDP, "eval.batch_size=1", f"run.output_dir={tmp_path}"],
                  NPROC_PER_NODE="3")
     assert result.returncode == 0, result.stdout
@@ -47,7 +43,6 @@ def test_fsdp_validates_and_evaluates_exactly(tmp_path):
     validated = {key[len("val_"):]: value for key, value in last.items()
                  if key.startswith("val_") and key != "val_seconds"}
     assert_same_numbers(validated, {key: one[key] for key in validated})
-    evaluate_at_1_2_3(tmp_path, run_dir)  # the test split: the same numbers at 1, 2, 3
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +67,6 @@ def test_fsdp_checkpoint_resumes_at_another_process_count(two_process_run, tmp_p
     more = run([*launch, "train.py", *TINY, FSDP, "train.epochs=3", f"run.dir={run_dir}"],
                NPROC_PER_NODE=str(nproc))
     assert more.returncode == 0, more.stdout
-    assert f"resuming {nproc} process(es) from a checkpoint of 2" in more.stdout
+    assert more.stdout.count(f"resuming {nproc} process(es) from a checkpoint of 2") == 1
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
     assert len(list_checkpoints(run_dir / "checkpoints")) > saved
