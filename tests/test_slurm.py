@@ -74,8 +74,7 @@ def wait(condition, what: str, timeout: float, job: str, env: dict, project: Pat
 
 
 def final_weights(run_dir: Path) -> dict:
-    last = sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1]
-    return torch.load(last, map_location="cpu", weights_only=True)["model"]
+    return torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True)["model"]
 
 
 def epoch_records(run_dir: Path) -> list[dict]:
@@ -113,7 +112,7 @@ def test_sbatch_preempted_requeues_itself_and_finishes_as_if_uninterrupted(
     assert saved and output.count("preempted: saved step") == 1, output
     assert f"requeueing job {job}" in output, output
     run_dir = next((tmp_path / "runs").iterdir())
-    assert f"resumed from {run_dir}/checkpoints/step-{int(saved[1]):08d}.pt" in output, output
+    assert f"resumed from {run_dir}/checkpoints/step-{int(saved[1]):08d}:" in output, output
     assert "Traceback" not in output, output
 
     resumed, expected = final_weights(run_dir), final_weights(tmp_path / "reference")

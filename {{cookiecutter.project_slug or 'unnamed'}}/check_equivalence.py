@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoint import MODEL_FILE
 from config import UserError, load_config
 
 PROJECT_DIR = Path(__file__).resolve().parent
@@ -68,8 +69,9 @@ def steps_to_compare(overrides: list[str], requested: int | None) -> int:
 
 
 def finished(run_dir: Path, steps: int) -> bool:
-    """Whether run_dir holds a finished run of `steps` steps (its final checkpoint)."""
-    return (run_dir / "checkpoints" / f"step-{steps:08d}.pt").is_file()
+    """Whether run_dir holds a finished run of `steps` steps (its final model)."""
+    model = run_dir / MODEL_FILE
+    return model.is_file() and torch.load(model, weights_only=True)["step"] == steps
 
 
 def train(workdir: Path, name: str, nproc: int, overrides: list[str]) -> Path:
@@ -100,8 +102,7 @@ def step_losses(run_dir: Path) -> list[float]:
 
 
 def final_parameters(run_dir: Path) -> dict:
-    last = sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1]
-    return torch.load(last, map_location="cpu", weights_only=True)["model"]
+    return torch.load(run_dir / MODEL_FILE, map_location="cpu", weights_only=True)["model"]
 
 
 def train_both(args, common: list[str], steps: int) -> tuple:

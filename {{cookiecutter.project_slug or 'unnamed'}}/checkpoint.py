@@ -3,13 +3,18 @@
 - The run folder is chosen by rank 0 and shared with the other ranks (one folder per job, never
   one per process): `run.dir`, or the folder of this torchrun job (found again by the run id
   torchrun gives every attempt of a job), or a new timestamped one.
-- A checkpoint holds everything training needs to continue exactly: the unwrapped model (keys
-  without `module.` / `_orig_mod.`), optimizer, LR schedule, loss scaler, the running training
+- A checkpoint holds everything training needs to continue exactly: the model (keys without
+  `module.` / `_orig_mod.`), optimizer, LR schedule, loss scaler, the running training
   statistics, the position (step, epoch, step within it), every rank's random generators and the
-  config. Rank 0 writes it atomically (a temporary file renamed into place); the newest
-  `train.keep_checkpoints` are kept.
-- Loading is safe (`weights_only=True`: tensors and plain data, never code), and every mistake
-  (a missing, truncated or foreign file, a model of another shape) is one line.
+  config. Every rank writes its part (torch.distributed.checkpoint), into a hidden folder renamed
+  into place when all parts are on disk; the newest `train.keep_checkpoints` are kept. It loads at
+  any process count, with either strategy (DDP or FSDP). With train.checkpoint_async=true the
+  ranks train on while a background thread writes.
+- Loading is safe (tensors and plain data, never code: `weights_only=True`, and DCP's metadata
+  read by an unpickler that allows its own classes only), and every mistake (a missing,
+  truncated or foreign checkpoint, a model of another shape) is one line.
+- model.pt, written at the end of training (export.py makes one from any checkpoint), is the
+  whole model in one file: what evaluate.py loads as well as a checkpoint, and what you ship.
 """
 
 import contextlib
@@ -23,12 +28,21 @@ import random
 import shutil
 import socket
 import time
+import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import dist_utils
 from config import UserError
@@ -143,24 +157,49 @@ def open_run_dir(cfg: DictConfig, env: DistEnv) -> RunDir:
     return RunDir(Path(path), created)
 
 
+# --- the checkpoint format ----------------------------------------------------------------------
+#
+#   checkpoints/step-00000200/       one checkpoint: a folder, renamed into place once complete
+#       .metadata, __<rank>_0.distcp   the model and the optimizer, written by every rank through
+#                                      torch.distributed.checkpoint (DCP): with FSDP each rank its
+#                                      own shards, with DDP each rank a share of the (replicated)
+#                                      tensors. DCP loads them at any process count and strategy.
+#       state.pt                       the rest, small (position, LR schedule, loss scaler, training
+#                                      statistics, every rank's random generators, the config),
+#                                      written by rank 0
+#   model.pt                         the final weights in one file (export.py makes one from any
+#                                    checkpoint): what evaluate.py and a shipped model need
+
+SHARDED_PARTS = ("model", "optimizer")  # saved by every rank through DCP; the rest in state.pt
+STATE_FILE = "state.pt"
+MODEL_FILE = "model.pt"  # the run's final model, in one file
+EXPORT_FORMAT = "model export"  # the `format` entry of a one-file export
+
+
 # --- finding checkpoints -------------------------------------------------------------------------
 
+def is_checkpoint(path: Path) -> bool:
+    return (Path(path) / STATE_FILE).is_file()
+
+
 def list_checkpoints(folder: Path) -> list[Path]:
-    """The complete checkpoints of a run's checkpoints/ folder, oldest first. Only finished
-    files are named step-*.pt (save_checkpoint renames them into place), so a write cut short
-    by a crash is never among them."""
-    return sorted(Path(folder).glob("step-*.pt"))  # zero-padded step numbers sort in order
+    """The complete checkpoints of a run's checkpoints/ folder, oldest first. A checkpoint is
+    written in a hidden temporary folder renamed to step-N only when every rank's part is on
+    disk, so a write cut short by a crash is never among them."""
+    return sorted(path for path in Path(folder).glob("step-*") if path.is_dir())
 
 
 def find_checkpoint(spec: str) -> Path:
-    """A checkpoint file, or the latest `step-*.pt` of a run folder."""
+    """A checkpoint folder or a model file as given, or the latest checkpoint of a run folder."""
     path = Path(spec)
-    if path.is_dir():
+    if path.is_dir() and not is_checkpoint(path):
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         found = list_checkpoints(folder)
         if not found:
-            raise UserError(f"no checkpoint in {path}: expected {folder}/step-*.pt")
+            raise UserError(f"no checkpoint in {path}: expected {folder}/step-<N>/")
         return found[-1]
+    if not path.exists():
+        raise UserError(f"checkpoint not found: {path}")
     return path
 
 
@@ -173,16 +212,19 @@ def newest_run(output_dir: Path) -> Path | None:
 
 def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
     """train.resume: auto -> this run's latest checkpoint (None for a new run); never -> None;
-    anything else -> that checkpoint file, or that run folder's latest checkpoint. Once this run
-    has checkpoints of its own (a torchrun restart), its latest one wins over both."""
+    anything else -> that checkpoint, or that run folder's latest checkpoint. Once this run has
+    checkpoints of its own (a torchrun restart), its latest one wins over both."""
     if cfg.train.resume == "never":
         return None
     found = list_checkpoints(run_dir / "checkpoints")
     if found or cfg.train.resume == "auto":
         return found[-1] if found else None
+    if not Path(cfg.train.resume).exists():
+        raise UserError(f"train.resume={cfg.train.resume}: no such checkpoint or run folder")
     path = find_checkpoint(cfg.train.resume)
-    if not path.exists():
-        raise UserError(f"train.resume={cfg.train.resume}: no such checkpoint file or run folder")
+    if not is_checkpoint(path):
+        raise UserError(f"train.resume={cfg.train.resume} is not a checkpoint folder (a model "
+                        "file holds weights only): give a run folder or its checkpoints/step-<N>")
     return path
 
 
@@ -233,6 +275,15 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _fsync_folder(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # make a rename in it durable
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
 def write_atomically(state: dict, path: Path) -> None:
     """torch.save into a temporary file in the same folder, flushed to disk, then renamed over
     `path`: a reader (or a restarted job) sees the old file or the new one, never half of one."""
@@ -250,26 +301,9 @@ def write_atomically(state: dict, path: Path) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-        with contextlib.suppress(OSError):  # make the rename itself durable
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+        _fsync_folder(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def save_checkpoint(state: dict, path: Path) -> None:
-    """Write a checkpoint atomically, on rank 0 only; every rank returns once it is complete.
-    A write that fails (a full disk, say) stops every rank with one line; the checkpoints
-    written before stay as they were, and no partial file is left."""
-    with dist_utils.agree_on_errors():  # also the barrier: every rank waits for the write
-        if dist_utils.is_main_process():
-            try:
-                write_atomically(state, path)
-            except OSError as error:
-                raise UserError(write_failure(error, Path(path), tensor_bytes(state))) from None
 
 
 def write_text(path: Path, text: str) -> None:
@@ -286,7 +320,7 @@ def write_text(path: Path, text: str) -> None:
 def tensor_bytes(value) -> int:
     """The bytes of every tensor in a (nested) state: about what saving it writes."""
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return value.numel() * value.element_size()  # a DTensor: the whole tensor's
     if isinstance(value, dict):
         return sum(tensor_bytes(v) for v in value.values())
     if isinstance(value, list | tuple):
@@ -306,75 +340,340 @@ def write_failure(error: OSError, path: Path, needed: int | None = None) -> str:
     return message
 
 
+def _cause(error: BaseException, kind: type = OSError):
+    """The exception of `kind` behind a failure (DCP wraps each rank's exception in a
+    CheckpointException), if there is one."""
+    seen = set()
+    stack = [error]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen or current is None:
+            continue
+        seen.add(id(current))
+        if isinstance(current, kind):
+            return current
+        stack += [current.__cause__, current.__context__]
+        for failure in getattr(current, "failures", {}).values():  # CheckpointException
+            stack.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
+
+
+class Checkpointer:
+    """Writes the checkpoints of a run (collective: every rank calls save and wait).
+
+    save() stages the state and writes it: synchronously (every rank returns once the
+    checkpoint is on disk), or with train.checkpoint_async=true in a background thread, so the
+    ranks go back to training as soon as the state is copied, with one write in flight at most.
+    wait() returns once the write in flight is on disk: before the next save, on preemption and
+    at the end of training. A write that fails (a full disk, say) stops every rank with one line
+    at the save or the wait that sees it; the checkpoints written before stay as they were.
+    """
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, env: DistEnv):
+        self.folder = run_dir / "checkpoints"
+        self.keep = cfg.train.keep_checkpoints
+        self.env = env
+        self.asynchronous = bool(cfg.train.checkpoint_async)
+        # The background write coordinates the ranks through collectives of its own: on a gloo
+        # group of its own, they never meet the training's collectives.
+        self.group = (dist.new_group(backend="gloo") if self.asynchronous
+                      and dist.is_initialized() else None)
+        self.pending: Future | None = None  # done when the write in flight is renamed into place
+        self.pending_path: Path | None = None
+        self.pending_bytes = 0
+
+    def save(self, parts: dict, position: Position, cfg: DictConfig) -> None:
+        """A checkpoint of `parts` (name -> object with state_dict(), or None) from which
+        training continues exactly."""
+        self.wait()
+        env = self.env
+        rngs = dist_utils.gather_objects(rng_state())  # each rank's generators
+        small = {name: part.state_dict() if part is not None else None
+                 for name, part in parts.items() if name not in SHARDED_PARTS}
+        small.update(step=position.step, epoch=position.epoch,
+                     step_in_epoch=position.step_in_epoch, world_size=env.world_size, rng=rngs,
+                     config=OmegaConf.to_container(cfg))
+        sharded = {name: parts[name].state_dict() for name in SHARDED_PARTS}
+        path = self.folder / f"step-{position.step:08d}"
+        tmp = self.folder / f".{path.name}.tmp"
+        self.pending_path = path
+        self.pending_bytes = tensor_bytes(sharded) + tensor_bytes(small)
+        with dist_utils.agree_on_errors():  # also a barrier: nobody writes into tmp before this
+            if env.is_main:
+                try:
+                    if tmp.exists():  # left by a job killed while it wrote this checkpoint
+                        shutil.rmtree(tmp)
+                    tmp.mkdir(parents=True)
+                    write_atomically(small, tmp / STATE_FILE)
+                except OSError as error:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise UserError(write_failure(error, path, self.pending_bytes)) from None
+        writer = FileSystemWriter(tmp)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*(single process|TypedStorage).*")
+            if not self.asynchronous:
+                done: Future = Future()
+                try:
+                    dcp.save(sharded, storage_writer=writer, no_dist=not dist.is_initialized())
+                    self._finish(tmp, path)
+                    done.set_result(None)
+                except (Exception, CheckpointException) as error:  # reported by wait()
+                    self._discard(tmp)
+                    done.set_exception(error)
+                self.pending = done
+                self.wait()
+                return
+            upload = dcp.async_save(sharded, storage_writer=writer, process_group=self.group,
+                                    no_dist=not dist.is_initialized())
+        if isinstance(upload, AsyncSaveResponse):
+            upload = upload.upload_completion
+        done = Future()
+
+        def finish(upload: Future) -> None:  # the writer thread, once every rank has written
+            try:
+                upload.result()
+                self._finish(tmp, path)
+                done.set_result(None)
+            except (Exception, CheckpointException) as error:  # reported by wait()
+                self._discard(tmp)
+                done.set_exception(error)
+
+        upload.add_done_callback(finish)
+        self.pending = done
+
+    def _finish(self, tmp: Path, path: Path) -> None:
+        """Rank 0: the complete checkpoint renamed into place (atomic), older ones pruned."""
+        if not self.env.is_main:
+            return
+        if path.exists():  # a checkpoint of this step from an attempt that ended after it
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        _fsync_folder(self.folder)
+        prune_checkpoints(self.folder, self.keep)
+
+    def _discard(self, tmp: Path) -> None:
+        """Rank 0: what a failed write left (a full disk gets its space back)."""
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _full_disk(self) -> OSError | None:
+        """A full disk, when a failed write does not say so itself: DCP passes each rank's
+        exception on without its cause, and torch.save's zip writer reports a failed write as
+        'unexpected pos'. The partial checkpoint is gone by now, so this is the space there was."""
+        with contextlib.suppress(OSError):
+            if shutil.disk_usage(self.folder).free < self.pending_bytes:
+                return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return None
+
+    def wait(self) -> None:
+        """Until the write in flight (if any) is on disk; its failure, as one line everywhere."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        with dist_utils.agree_on_errors():
+            try:
+                pending.result()
+            except CheckpointException as error:  # DCP's: every rank has it
+                # Rank 0's account of it, so that every rank reports the same line.
+                cause = (_cause(error) or self._full_disk()) if self.env.is_main else None
+                message = dist_utils.broadcast_object(
+                    write_failure(cause, self.pending_path, self.pending_bytes) if cause else None)
+                if message:
+                    raise UserError(message) from None
+                raise RuntimeError(f"writing {self.pending_path} failed: {error}") from None
+            except Exception as error:  # this rank's alone (rank 0 renaming, say)
+                if (cause := _cause(error)) is not None:
+                    raise UserError(write_failure(cause, self.pending_path,
+                                                  self.pending_bytes)) from None
+                raise
+
+
 def prune_checkpoints(folder: Path, keep: int) -> None:
     """Rank 0 deletes all but the newest `keep` checkpoints (keep=0: delete none), and any
-    temporary file a killed writer left behind."""
+    temporary file or folder a killed writer left behind."""
     if not dist_utils.is_main_process():
         return
-    for leftover in Path(folder).glob(".step-*.tmp-*"):
-        leftover.unlink(missing_ok=True)
+    for leftover in Path(folder).glob(".step-*.tmp*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
     if keep:
         for old in list_checkpoints(folder)[:-keep]:
-            old.unlink(missing_ok=True)
+            shutil.rmtree(old, ignore_errors=True)
 
 
-def save(run_dir: Path, parts: dict, position: Position, cfg: DictConfig, env: DistEnv) -> None:
-    """A checkpoint of `parts` (name -> object with state_dict(), or None) from which training
-    continues exactly (collective: call on every rank)."""
-    rngs = dist_utils.gather_objects(rng_state())  # each rank's generators
-    state = {name: part.state_dict() if part is not None else None
-             for name, part in parts.items()}
-    state["model"] = clean_state_dict(state["model"])
-    state.update(step=position.step, epoch=position.epoch, step_in_epoch=position.step_in_epoch,
-                 world_size=env.world_size, rng=rngs, config=OmegaConf.to_container(cfg))
-    folder = run_dir / "checkpoints"
-    save_checkpoint(state, folder / f"step-{position.step:08d}.pt")
-    prune_checkpoints(folder, cfg.train.keep_checkpoints)
+def export_model(model_state: dict, path: Path, step: int, cfg: DictConfig) -> None:
+    """The whole model's weights in one file, with the config that builds the model: loads with
+    torch.load(weights_only=True) into the bare model (rank 0 writes it)."""
+    state = {"format": EXPORT_FORMAT, "model": clean_state_dict(model_state), "step": step,
+             "config": OmegaConf.to_container(cfg)}
+    try:
+        write_atomically(state, path)
+    except OSError as error:
+        raise UserError(write_failure(error, Path(path), tensor_bytes(state))) from None
 
 
 # --- loading -------------------------------------------------------------------------------------
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle; this reads it without running code: only DCP's own metadata
+    classes, torch's sizes, dtypes and layouts, and paths may appear in it."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (module in ("torch.distributed.checkpoint.metadata",
+                              "torch.distributed.checkpoint.filesystem")
+                   or (module == "torch" and (name == "Size" or isinstance(
+                       getattr(torch, name, None), torch.dtype | torch.layout
+                       | torch.memory_format)))
+                   or (module, name) == ("torch.serialization", "_get_layout")
+                   or (module == "pathlib" and name in ("PosixPath", "PurePosixPath",
+                                                         "WindowsPath", "PureWindowsPath")))
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        return super().find_class(module, name)
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, with the metadata read by _MetadataUnpickler."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError("not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, with the non-tensor values (optimizer hyperparameters) loaded as
+    tensors and plain data only (weights_only=True)."""
+
+    def load_bytes(self, read_item, value) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def _read_metadata(path: Path) -> Metadata:
+    try:
+        return SafeReader(path).read_metadata()
+    except FileNotFoundError:
+        raise UserError(f"cannot load checkpoint {path}: its .metadata is missing (not a "
+                        "complete checkpoint folder)") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as error:
+        raise UserError(f"cannot load checkpoint {path}: its .metadata is damaged or holds "
+                        f"Python objects beyond checkpoint metadata ({error})") from None
+
+
 def load_checkpoint(path: Path, map_location="cpu") -> dict:
-    """Load a checkpoint safely (`weights_only=True`: tensors and plain data, never code)."""
+    """A checkpoint's small state (its state.pt), or a model export's whole content; loaded
+    safely (`weights_only=True`: tensors and plain data, never code)."""
     path = Path(path)
-    if not path.is_file():
+    file = path / STATE_FILE if path.is_dir() else path
+    if not file.is_file():
         raise UserError(f"checkpoint not found: {path}")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
         if "weights_only" in str(error):
             raise UserError(
-                f"refusing to load checkpoint {path}: it holds Python objects beyond tensors and "
+                f"refusing to load checkpoint {file}: it holds Python objects beyond tensors and "
                 "plain data, which could run code when loaded; re-save it with state_dict()s only"
             ) from None
-        raise UserError(f"cannot load checkpoint {path}: it is not a PyTorch checkpoint") from None
+        raise UserError(f"cannot load checkpoint {file}: it is not a PyTorch checkpoint") from None
     except Exception:  # a truncated zip archive, or another kind of file
         raise UserError(
-            f"cannot load checkpoint {path}: the file is truncated or not a PyTorch checkpoint"
+            f"cannot load checkpoint {file}: the file is truncated or not a PyTorch checkpoint"
         ) from None
-    if not isinstance(state, dict) or "model" not in state:
-        raise UserError(f"{path} is not a checkpoint of this project (no 'model' entry)")
+    if not isinstance(state, dict) or ("model" not in state and "step" not in state):
+        raise UserError(f"{file} is not a checkpoint of this project (no 'model' entry)")
     return state
 
 
-def restore_model_weights(model: torch.nn.Module, state: dict, source: Path) -> None:
-    """The checkpoint's weights into the bare model (before DDP copies rank 0's everywhere)."""
+def _check_keys(path: Path, metadata: Metadata, targets: dict) -> None:
+    """One line when the checkpoint's tensors do not match the model's (DCP alone would load a
+    subset silently, or fail with a page of detail)."""
+    for name in ("model",):
+        if name not in targets:
+            continue
+        saved = {key.split(".", 1)[1] for key in metadata.state_dict_metadata
+                 if key.startswith(f"{name}.")}
+        wanted = set(targets[name])
+        missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
+        if missing or unexpected:
+            detail = "; ".join(part for part in (
+                f"missing {', '.join(missing[:5])}" if missing else "",
+                f"unexpected {', '.join(unexpected[:5])}" if unexpected else "") if part)
+            raise UserError(f"checkpoint {path} does not fit the model: {detail}")
+
+
+def read_sharded(path: Path, targets: dict, distributed: bool) -> None:
+    """Fill `targets` (part name -> its state dict, in the layout of this run: plain tensors, or
+    this rank's shards) from a checkpoint folder, in place. DCP reads what each rank needs,
+    whatever the number of processes or the strategy that saved it."""
     try:
-        model.load_state_dict(state["model"])
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(targets, storage_reader=SafeReader(path), planner=SafeLoadPlanner(),
+                     no_dist=not distributed)
+    except (Exception, CheckpointException) as error:
+        detail = " ".join(str(error).split())
+        if _cause(error, pickle.UnpicklingError) is not None:
+            raise UserError(f"refusing to load checkpoint {path}: it holds Python objects beyond "
+                            "tensors and plain data, which could run code when loaded") from None
+        if "size mismatch" in detail.lower():
+            raise UserError(f"checkpoint {path} does not fit the model: a tensor's shape "
+                            f"differs ({detail[:200]})") from None
+        if (cause := _cause(error)) is not None:
+            raise UserError(f"cannot load checkpoint {path}: {cause}") from None
+        raise UserError(f"cannot load checkpoint {path}: {detail[:300]}") from None
+
+
+def read_tensors(path: Path, part: str = "model") -> dict:
+    """One part's tensors in a checkpoint folder, whole, keyed by their flat names (the model's:
+    parameter names; the optimizer's: `state.<parameter>.<name>`), read on this process alone
+    with no model needed: what export.py writes, and what a test compares."""
+    metadata = _read_metadata(path)
+    prefix = f"{part}."
+    tensors = {key[len(prefix):]: torch.empty(entry.size, dtype=entry.properties.dtype)
+               for key, entry in metadata.state_dict_metadata.items()
+               if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    read_sharded(path, {part: tensors}, distributed=False)
+    return tensors
+
+
+def read_model(path: Path) -> dict:
+    """The whole model's weights in a checkpoint folder, keyed by parameter name."""
+    return read_tensors(path, "model")
+
+
+def load_model_weights(model: torch.nn.Module, source: Path, state: dict) -> None:
+    """A checkpoint's (or a model export's) weights into the bare model, on this process alone."""
+    weights = read_model(source) if source.is_dir() else state["model"]
+    try:
+        model.load_state_dict(weights)
     except RuntimeError as error:  # missing / unexpected keys, shape mismatch
         detail = " ".join(str(error).split())[:300]
         raise UserError(f"checkpoint {source} does not fit the model: {detail}") from None
 
 
-def restore(state: dict, parts: dict, source: Path, env: DistEnv) -> Position:
-    """Everything but the model weights back into `parts` (name -> object with
-    load_state_dict(), or None); returns the position to continue from."""
+def restore(source: Path, parts: dict, env: DistEnv) -> Position:
+    """Everything a checkpoint holds back into `parts` (name -> object with state_dict() and
+    load_state_dict(), or None), on every rank (collective); returns the position."""
+    state = load_checkpoint(source)
+    targets = {name: parts[name].state_dict() for name in SHARDED_PARTS}
+    _check_keys(source, _read_metadata(source), targets)
+    read_sharded(source, targets, distributed=dist.is_initialized())
     try:
         for name, part in parts.items():
-            if name != "model" and part is not None and state.get(name) is not None:
+            if name in SHARDED_PARTS:
+                part.load_state_dict(targets[name])
+            elif part is not None and state.get(name) is not None:
                 part.load_state_dict(state[name])
         position = Position(*(int(state[k]) for k in ("step", "epoch", "step_in_epoch")))
-    except (KeyError, ValueError, TypeError) as error:
+    except (KeyError, ValueError, TypeError, RuntimeError) as error:
         raise UserError(f"cannot resume from {source}: its optimizer or position does not fit "
                         f"this run ({error})") from None
     if state.get("world_size") == env.world_size and "rng" in state:

@@ -91,7 +91,8 @@ class TrainConfig:
     log_every: int = 50  # steps between logged (and cross-rank reduced) training scalars
     ckpt_every: int = 200  # steps between checkpoints; 0 saves only at the end
     keep_checkpoints: int = 3  # keep the newest k checkpoints of a run; 0 keeps all
-    resume: str = "auto"  # auto (latest checkpoint of this run, if any) | never | <file or run>
+    checkpoint_async: bool = False  # write checkpoints in the background; training goes on
+    resume: str = "auto"  # auto (this run's last checkpoint, if any) | never | <run or checkpoint>
     device: str = "auto"  # auto (cuda when available) | cuda | cpu
     progress_bar: bool = True  # tqdm bar on rank 0 when attached to a terminal
 
@@ -127,7 +128,7 @@ class SpeedConfig:
 
 @dataclass
 class EvalConfig:
-    checkpoint: str = ""  # a checkpoint file or a run folder; "": the newest run in run.output_dir
+    checkpoint: str = ""  # a run folder, a checkpoint folder or a model.pt; "": the newest run
     split: str = "test"  # test | val
     batch_size: int = 256  # per process; evaluation has no global-batch semantics
     output_dir: str = ""  # default: <run folder>/eval-<split>

@@ -2,13 +2,17 @@
 
     ./run.sh evaluate.py                                      # the newest run in runs/
     ./run.sh evaluate.py eval.checkpoint=runs/<run>           # torchrun, as many as run.sh says
+    ./run.sh evaluate.py eval.checkpoint=runs/<run>/model.pt  # the final model, in one file
     python evaluate.py eval.checkpoint=runs/<run> data.root=/scratch/moved   # one process
 
-The model and the task come from the checkpoint (with the config it was trained with); data
-settings may be overridden (data that moved: `data.root=`), and so may the evaluation, speed and
-device settings. A `model.*` or `task.*` override that contradicts the checkpoint is an error.
-Every rank evaluates its own block of the split and the metrics are computed once from all of
-them (evaluation.py), so every number (PR curves included) is the one a single process gives.
+A run folder means its latest checkpoint; a checkpoint folder (checkpoints/step-N, saved by any
+number of processes, DDP or FSDP) and a one-file model (model.pt, export.py) load alike, into
+the bare model on every rank. The model and the task come from the checkpoint (with the config
+it was trained with); data settings may be overridden (data that moved: `data.root=`), and so
+may the evaluation, speed and device settings. A `model.*` or `task.*` override that
+contradicts the checkpoint is an error. Every rank evaluates its own block of the split and the
+metrics are computed once from all of them (evaluation.py), so every number (PR curves
+included) is the one a single process gives.
 Rank 0 writes, into <run>/eval-<split>/: metrics.json, curves.json, the task's plots,
 TensorBoard scalars and curves in tb/, and predictions.npz with eval.save_predictions=true.
 """
@@ -43,7 +47,7 @@ def checkpoint_to_evaluate(cfg: DictConfig) -> Path:
     if newest is None:
         raise UserError(f"eval.checkpoint is not set and {cfg.run.output_dir}/ holds no run with "
                         "a checkpoint: train first (./run.sh), or pass eval.checkpoint=<run "
-                        "folder or .pt file>")
+                        "folder, checkpoint folder or model.pt>")
     log.info("eval.checkpoint not set: evaluating the newest run, %s", newest)
     return checkpoint.find_checkpoint(str(newest))
 
@@ -80,7 +84,7 @@ def main(argv: list[str]) -> None:
         task = build_task(run_cfg, data.splits)
         input_shape = task.input_shape(data.datasets["train"][0])
         model = build_model(run_cfg.model, input_shape, task.num_outputs)
-        checkpoint.restore_model_weights(model, state, source)
+        checkpoint.load_model_weights(model, source, state)
         # Precision and memory format from this call's speed settings (compile is not used).
         speed = resolve_speed(run_cfg, device, input_shape)
     # No DDP wrapper: evaluation computes no gradients, and the weights are the same everywhere.
@@ -96,7 +100,7 @@ def main(argv: list[str]) -> None:
     if not env.is_main:
         return
 
-    in_run = source.parent.name == "checkpoints"
+    in_run = source.parent.name == "checkpoints"  # else model.pt (or a file) in its run folder
     out_dir = Path(cfg.eval.output_dir or (source.parent.parent if in_run else source.parent)
                    / f"eval-{split}")
     header = {"checkpoint": str(source), "step": state.get("step"), "split": split,

@@ -3,7 +3,7 @@
 `wrap_model` converts BatchNorm to statistics over all ranks when asked, then, when there is a
 process group, wraps the model in DistributedDataParallel (`parallel.strategy=ddp`) or shards it
 with FSDP2 (`parallel.strategy=fsdp`), and compiles it when asked; `unwrap` gives the user's
-module back. `skip_gradient_sync` (gradient accumulation) and `WholeState` (checkpoints) hide
+module back. `skip_gradient_sync` (gradient accumulation) and `ModelState` (checkpoints) hide
 which of the two it is from the training loop. model.py holds the models themselves.
 """
 
@@ -195,30 +195,30 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-class WholeState:
-    """The model's or the optimizer's state as one whole state dict, whatever the strategy.
+class ModelState:
+    """The model's or the optimizer's state, keyed by parameter name, whatever the strategy.
 
-    Checkpoints hold whole tensors keyed by parameter name, so they load at any number of
-    processes and with either strategy. With FSDP, state_dict() gathers the shards onto rank 0
-    (the other ranks get an empty dict; every rank must call it) and load_state_dict() keeps
-    each rank's shard of the whole tensors it is given.
+    By default in the strategy's own layout, what checkpoints save and load (DCP): each rank's
+    shards (DTensors) with FSDP, the whole tensors with DDP; no communication. whole=True: the
+    whole tensors gathered onto rank 0 (a collective; the other ranks get an empty dict), what a
+    one-file model export holds.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 whole: bool = False):
         self.model, self.optimizer = unwrap(model), optimizer
+        self.options = StateDictOptions(full_state_dict=True, cpu_offload=True) if whole else None
 
     def state_dict(self) -> dict:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         if self.optimizer is None:
-            return get_model_state_dict(self.model, options=options)
-        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
+            return get_model_state_dict(self.model, options=self.options)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
 
     def load_state_dict(self, state: dict) -> None:
-        options = StateDictOptions(full_state_dict=True)
         if self.optimizer is None:
-            set_model_state_dict(self.model, state, options=options)
+            set_model_state_dict(self.model, state, options=self.options)
         else:
-            set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
+            set_optimizer_state_dict(self.model, self.optimizer, state, options=self.options)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -29,7 +29,7 @@ from checkpoint import Position
 from config import load_config
 from data import DataModule, count_samples, to_device
 from evaluation import evaluate_split, loss_terms, scalars
-from parallel import WholeState, build_model, full_tensor, skip_gradient_sync, unwrap, wrap_model
+from parallel import ModelState, build_model, full_tensor, skip_gradient_sync, unwrap, wrap_model
 from speed import FLOAT32, Speed, build_optimizer, grad_scaler, resolve_speed
 from speed import describe as describe_speed
 from tasks import Task, build_task
@@ -147,14 +147,19 @@ class Setup:
     total_steps: int
     resumed: bool
     supervisor: dist_utils.Supervisor  # preemption signals and stalls
+    checkpointer: checkpoint.Checkpointer
 
     def parts(self) -> dict:
         """Everything a checkpoint saves and a resume restores, by name."""
-        # Whole tensors keyed by parameter name, whatever the strategy (with FSDP: gathered from
-        # the shards, a collective), so a checkpoint resumes at any process count.
-        return {"model": WholeState(self.model), "optimizer": WholeState(self.model,
+        # Model and optimizer keyed by parameter name, each rank its part (checkpoint.py), so a
+        # checkpoint resumes at any process count and with either strategy.
+        return {"model": ModelState(self.model), "optimizer": ModelState(self.model,
                 self.optimizer), "scheduler": self.scheduler, "scaler": self.scaler,
                 "train_log": self.log}
+
+    def save(self) -> None:
+        """A checkpoint of where training is (collective)."""
+        self.checkpointer.save(self.parts(), self.position, self.cfg)
 
 
 def setup(argv: list[str]) -> Setup:
@@ -175,9 +180,8 @@ def setup(argv: list[str]) -> Setup:
             model = build_model(cfg.model, input_shape, task.num_outputs)
             speed = resolve_speed(cfg, device, input_shape)
             resume_from = checkpoint.checkpoint_to_resume(cfg, run.path)
-            state = checkpoint.load_checkpoint(resume_from) if resume_from else None
-            if state:  # into the bare model, before DDP copies rank 0's weights to every rank
-                checkpoint.restore_model_weights(model, state, resume_from)
+            if resume_from:  # a damaged checkpoint is one line before any model is built
+                checkpoint.load_checkpoint(resume_from)
     except BaseException:
         run.discard_if_unused()  # a launch that failed before training leaves no folder
         raise
@@ -193,11 +197,16 @@ def setup(argv: list[str]) -> Setup:
     scheduler = LRSchedule(optimizer, cfg.optim.warmup_steps, total_steps, cfg.optim.schedule)
     s = Setup(cfg, env, device, data, task, speed, model, optimizer, scheduler,
               grad_scaler(speed, device), TrainingLog(run.path, env, device), run.path,
-              Position(), total_steps, resumed=state is not None,
-              supervisor=dist_utils.Supervisor(env, cfg.ddp.timeout_minutes))
-    if state:
-        with dist_utils.agree_on_errors():
-            s.position = checkpoint.restore(state, s.parts(), resume_from, env)
+              Position(), total_steps, resumed=resume_from is not None,
+              supervisor=dist_utils.Supervisor(env, cfg.ddp.timeout_minutes),
+              checkpointer=checkpoint.Checkpointer(run.path, cfg, env))
+    if resume_from:
+        try:
+            with dist_utils.agree_on_errors():  # into the wrapped model: each rank its part
+                s.position = checkpoint.restore(resume_from, s.parts(), env)
+        except BaseException:
+            run.discard_if_unused()
+            raise
         s.log.resume(s.position, truncate=s.position.step < total_steps)
         log.info("resumed from %s: step %d, epoch %d, %d step(s) into it", resume_from,
                  s.position.step, s.position.epoch + 1, s.position.step_in_epoch)
@@ -223,7 +232,8 @@ def describe(s: Setup) -> None:
 def stop_for_preemption(s: Setup) -> None:
     """Save where every rank stopped, then leave with the 'preempted' status (collective)."""
     s.log.flush(s.position.step, s.scheduler.get_last_lr()[0])
-    checkpoint.save(s.run_dir, s.parts(), s.position, s.cfg, s.env)
+    s.save()
+    s.checkpointer.wait()  # an asynchronous write too: on disk before the job leaves
     s.log.close()
     s.supervisor.settle()
     raise dist_utils.Preempted(f"saved step {s.position.step} in {s.run_dir}; run the same "
@@ -264,7 +274,7 @@ def main(argv: list[str]) -> None:
                 stop_for_preemption(s)
             if ckpt_every and position.step % ckpt_every == 0:
                 train_log.flush(position.step, s.scheduler.get_last_lr()[0])
-                checkpoint.save(s.run_dir, s.parts(), position, cfg, s.env)
+                s.save()
                 train_log.restart_clock()  # the write is not training time of the next window
                 last_saved = position.step
             if position.step == s.total_steps:
@@ -287,12 +297,23 @@ def main(argv: list[str]) -> None:
             position.epoch, position.step_in_epoch = position.epoch + 1, 0
 
     if last_saved != position.step:
-        checkpoint.save(s.run_dir, s.parts(), position, cfg, s.env)
+        s.save()
+    s.checkpointer.wait()
+    export(s)
     train_log.close()
     s.supervisor.settle()
-    log.info("done: checkpoints in %s, TensorBoard logs in %s", s.run_dir / "checkpoints",
-             s.run_dir / "tb")
+    log.info("done: checkpoints in %s, the final model in %s, TensorBoard logs in %s",
+             s.run_dir / "checkpoints", s.run_dir / checkpoint.MODEL_FILE, s.run_dir / "tb")
     log.info("evaluate with: ./run.sh evaluate.py eval.checkpoint=%s", s.run_dir)
+
+
+def export(s: Setup) -> None:
+    """The final model as one file (collective: with FSDP the shards are gathered)."""
+    weights = ModelState(s.model, whole=True).state_dict()
+    with dist_utils.agree_on_errors():
+        if s.env.is_main:
+            checkpoint.export_model(weights, s.run_dir / checkpoint.MODEL_FILE, s.position.step,
+                                    s.cfg)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import checkpoint  # noqa: E402
 import dist_utils  # noqa: E402
 import train  # noqa: E402
+from parallel import ModelState  # noqa: E402
 
 
 def differences(saved, restored, where: str = "") -> list[str]:
@@ -31,27 +32,31 @@ def differences(saved, restored, where: str = "") -> list[str]:
     return [] if saved == restored else [f"{where}: {saved!r} != {restored!r}"]
 
 
-def count_tensors(state) -> int:
+def flat_tensors(state, prefix: str = "") -> dict:
+    """A nested state's tensors by dotted name, as a checkpoint folder names them."""
     if isinstance(state, dict):
-        return sum(count_tensors(v) for v in state.values())
-    if isinstance(state, list | tuple):
-        return sum(count_tensors(v) for v in state)
-    return int(isinstance(state, torch.Tensor))
+        items = state.items()
+    elif isinstance(state, list | tuple):
+        items = enumerate(state)
+    else:
+        return {prefix[:-1]: state} if isinstance(state, torch.Tensor) else {}
+    return {name: value for key, inner in items
+            for name, value in flat_tensors(inner, f"{prefix}{key}.").items()}
 
 
 def main(argv: list[str]) -> None:
     s = train.setup(argv)
     assert s.resumed, "the probe needs a run folder with a checkpoint (run.dir=...)"
-    parts = s.parts()
-    restored = {"model": parts["model"].state_dict(), "optimizer": parts["optimizer"].state_dict()}
+    # Gathered whole onto rank 0 (a collective).
+    restored = {name: flat_tensors(ModelState(s.model, optimizer, whole=True).state_dict())
+                for name, optimizer in (("model", None), ("optimizer", s.optimizer))}
     if s.env.is_main:
         latest = checkpoint.list_checkpoints(s.run_dir / "checkpoints")[-1]
-        saved = checkpoint.load_checkpoint(latest)
-        saved = {"model": saved["model"], "optimizer": saved["optimizer"]}
+        saved = {name: checkpoint.read_tensors(latest, name) for name in ("model", "optimizer")}
         found = differences(saved, restored)
         if found:
             raise AssertionError("restored state differs: " + "; ".join(found[:10]))
-        print(f"same state: {count_tensors(saved)} tensors", flush=True)
+        print(f"same state: {sum(len(part) for part in saved.values())} tensors", flush=True)
     s.log.close()
     s.supervisor.settle()
 

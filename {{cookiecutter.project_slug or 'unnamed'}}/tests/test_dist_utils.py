@@ -6,6 +6,7 @@ import zipfile
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import checkpoint
 import dist_utils
@@ -42,7 +43,7 @@ def test_state_dict_keys_carry_no_wrapper_prefixes():
 
 def test_save_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.pt"
-    checkpoint.save_checkpoint({"model": {"w": torch.ones(2)}}, path)
+    checkpoint.export_model({"w": torch.ones(2)}, path, 1, OmegaConf.create())
 
     def write_half_then_fail(obj, handle):
         handle.write(b"PK\x03\x04 partial bytes")
@@ -50,7 +51,7 @@ def test_save_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint.torch, "save", write_half_then_fail)
     with pytest.raises(UserError, match=f"cannot write {path}: disk full"):
-        checkpoint.save_checkpoint({"model": {"w": torch.zeros(2)}}, path)
+        checkpoint.export_model({"w": torch.zeros(2)}, path, 2, OmegaConf.create())
     assert torch.equal(checkpoint.load_checkpoint(path)["model"]["w"], torch.ones(2))
     assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left behind
 
@@ -59,7 +60,7 @@ def test_missing_truncated_and_foreign_checkpoints(tmp_path):
     with pytest.raises(UserError, match="checkpoint not found"):
         checkpoint.load_checkpoint(tmp_path / "nope.pt")
     good = tmp_path / "good.pt"
-    checkpoint.save_checkpoint({"model": {"w": torch.ones(1000)}}, good)
+    checkpoint.export_model({"w": torch.ones(1000)}, good, 1, OmegaConf.create())
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     with pytest.raises(UserError, match="truncated or not a PyTorch checkpoint"):

@@ -20,6 +20,7 @@ from sklearn.metrics import (
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from checkpoint import read_model
 from conftest import TINY, TINY_SPLIT, fixture, only_run_dir, run, torchrun
 
 
@@ -84,15 +85,22 @@ def test_classification_trains_with_run_sh_and_evaluates_exactly(tmp_path, tiny_
 
     steps = 3 * TINY_SPLIT["train"] // 12
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    expected = [f"step-{s:08d}.pt" for s in range(20, steps + 1, 20)]
-    assert saved == expected + ([f"step-{steps:08d}.pt"] if steps % 20 else [])
+    expected = [f"step-{s:08d}" for s in range(20, steps + 1, 20)]
+    assert saved == expected + ([f"step-{steps:08d}"] if steps % 20 else [])
+    # Every rank wrote its share of the checkpoint (DDP: the tensors every rank holds, dealt out).
+    shards = run_dir / "checkpoints" / saved[-1]
+    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp",
+                                                        "__1_0.distcp", "state.pt"]
+    assert all(p.stat().st_size > 1000 for p in shards.glob("*.distcp"))
     assert len(list((run_dir / "tb").iterdir())) == 1  # one event file: rank 0's
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        ".job_id", ".lock", "checkpoints", "config.yaml", "metrics.jsonl", "tb",
+        ".job_id", ".lock", "checkpoints", "config.yaml", "metrics.jsonl", "model.pt", "tb",
         "train_log.jsonl"]
-    ckpt = torch.load(run_dir / "checkpoints" / saved[-1], weights_only=True)
-    assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
+    weights = read_model(shards)
+    assert weights and not any(k.startswith(("module.", "_orig_mod.")) for k in weights)
+    exported = torch.load(run_dir / "model.pt", weights_only=True)["model"]
+    assert all(torch.equal(exported[k], weights[k]) for k in weights)
 
     # The same checkpoint evaluated by 1, 2 and 3 processes: the same numbers, curves included.
     runs = evaluate_at_1_2_3(tmp_path, run_dir)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from checkpoint import list_checkpoints
+from checkpoint import list_checkpoints, read_model
 from conftest import PROJECT, TINY, command_env, run
 
 pytestmark = pytest.mark.slow  # the quick tier (-m 'not slow') skips these
@@ -69,8 +69,7 @@ def test_two_nodes_train_like_one_node_with_two_processes(tmp_path):
     assert sum("2 process(es) on cpu, backend gloo" in out for out in outputs) == 1  # rank 0's
 
     def weights(run_dir):
-        return torch.load(list_checkpoints(run_dir / "checkpoints")[-1],
-                          weights_only=True)["model"]
+        return read_model(list_checkpoints(run_dir / "checkpoints")[-1])
 
     a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
     assert all(torch.equal(a[k], b[k]) for k in a)

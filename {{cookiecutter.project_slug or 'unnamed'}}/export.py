@@ -1,0 +1,38 @@
+"""Write a checkpoint's model as one file: for evaluate.py, or to ship the model.
+
+    python export.py runs/<run>                                   # its latest checkpoint
+    python export.py runs/<run>/checkpoints/step-00000200 out.pt  # that one, to out.pt
+
+One process, no GPU and no process group needed: the checkpoint's shards (saved by any number of
+processes, DDP or FSDP) are read into whole tensors. The file (default: model.pt in the run
+folder, which training also writes at its end) holds the weights keyed by parameter name, the
+step and the config that builds the model, and loads with torch.load(weights_only=True):
+
+    state = torch.load("model.pt", weights_only=True)
+    model.load_state_dict(state["model"])  # the bare model, as build_model makes it
+"""
+
+from pathlib import Path
+
+import checkpoint
+import dist_utils
+from config import UserError, config_from_dict
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) not in (1, 2):
+        raise UserError("usage: python export.py <run folder or checkpoint folder> [output file]")
+    source = checkpoint.find_checkpoint(argv[0])
+    if not checkpoint.is_checkpoint(source):
+        raise UserError(f"{source} is not a checkpoint folder: give a run folder or its "
+                        "checkpoints/step-<N>")
+    state = checkpoint.load_checkpoint(source)
+    cfg = config_from_dict(state.get("config", {}), f"config stored in {source}")
+    run_dir = source.parent.parent if source.parent.name == "checkpoints" else source.parent
+    target = Path(argv[1]) if len(argv) == 2 else run_dir / checkpoint.MODEL_FILE
+    checkpoint.export_model(checkpoint.read_model(source), target, state["step"], cfg)
+    print(f"wrote {target}: the model of {source} (step {state['step']})")
+
+
+if __name__ == "__main__":
+    dist_utils.run_main(main)
