@@ -33,10 +33,12 @@ EPOCH_STEPS = DataModule(load_config(LONG), DistEnv(0, 0, 2, True),
 
 def launch(args: list[str], **env: str) -> subprocess.Popen:
     """./run.sh in a session of its own (its process group: run.sh alone; torchrun and the
-    workers get one of their own from run.sh)."""
+    workers get one of their own from run.sh), with SIGINT as a terminal delivers it: a suite
+    started in the background inherits SIGINT ignored, which a shell cannot trap."""
     return subprocess.Popen(["./run.sh", *args], cwd=PROJECT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=command_env(NPROC_PER_NODE="2", **env))
+                            env=command_env(NPROC_PER_NODE="2", **env),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def logged(output_dir: Path) -> list[dict]:

@@ -39,10 +39,11 @@ def test_loss_terms_and_scalars_of_a_task_reach_every_log(tmp_path):
 def test_throughput_counts_training_steps_only(tmp_path):
     # Validation made slow on purpose (a large val split read one sample at a time): if its
     # time leaked into the next window's clock, that window's samples/s would collapse.
-    # 105 training samples in 21 steps of 5: three windows of 7 steps an epoch; 176 val samples.
+    # 105 training samples in 21 steps of 5: seven windows of 3 steps an epoch; 176 val samples,
+    # about three windows' time.
     result = run([sys.executable, "train.py", *TINY, "data.val_fraction=0.5",
                   "eval.batch_size=1", "model.hidden_dim=512", "model.num_layers=4",
-                  "train.global_batch_size=5", "train.epochs=4", "train.log_every=7",
+                  "train.global_batch_size=5", "train.epochs=4", "train.log_every=3",
                   "train.ckpt_every=0", f"run.output_dir={tmp_path}"])
     assert result.returncode == 0, result.stdout
     run_dir = only_run_dir(tmp_path)
@@ -50,13 +51,11 @@ def test_throughput_counts_training_steps_only(tmp_path):
     epochs = records(run_dir / "metrics.jsonl")
     rates = [w["samples_per_s"] for w in windows]
     median = statistics.median(rates)
-    window_seconds = 35 / median  # 7 steps x 5 samples
+    window_seconds = 15 / median  # 3 steps x 5 samples
     # The test has teeth: validation takes longer than a window of training, so a window that
     # counted it would run at less than half the others' rate (the check below).
     assert min(e["val_seconds"] for e in epochs) > 1.2 * window_seconds, (epochs, rates)
-    assert len(windows) == 12  # 3 windows an epoch, every step covered
-    assert all(median / 2 < rate < median * 2 for rate in rates), rates
+    assert len(windows) == 28  # 7 windows an epoch, every step covered
+    assert min(rates) > median / 2, rates
     for epoch in epochs:
         assert abs(epoch["epoch_seconds"] - epoch["train_seconds"] - epoch["val_seconds"]) < 1e-6
-    train_seconds = [e["train_seconds"] for e in epochs[1:]]
-    assert max(train_seconds) < 2 * min(train_seconds)  # training time alone, epoch by epoch
