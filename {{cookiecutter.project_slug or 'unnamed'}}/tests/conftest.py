@@ -23,6 +23,8 @@ TINY = [
     "optim.warmup_steps=5", "optim.lr=0.01", "train.progress_bar=false",
 ]
 TINY_SPLIT = {"train": 228, "val": 53, "test": 71}
+# Trials of the tests that interrupt a run at random steps: 3 in the suite; TRIALS=5 (say) for more.
+TRIALS = int(os.environ.get("TRIALS", "3"))
 IMAGES = [f"data.dataset={fixture('images')}", f"model.name={fixture('convnet')}",
           "model.channels=8"]
 

@@ -17,7 +17,7 @@ from test_faults import descendants, epoch_records, final_model, finish, kill_tr
 
 from checkpoint import list_checkpoints, load_checkpoint, read_model
 from config import load_config
-from conftest import PROJECT, TINY, command_env, only_run_dir, run
+from conftest import PROJECT, TINY, TRIALS, command_env, only_run_dir, run
 from data import DataModule
 from dist_utils import DistEnv
 
@@ -57,7 +57,7 @@ def reference(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trial", range(5))
+@pytest.mark.parametrize("trial", range(TRIALS))
 def test_sigterm_saves_the_step_reached_and_the_same_command_resumes(tmp_path, reference, trial):
     args = [*LONG, f"run.output_dir={tmp_path}"]
     job = {"RDZV_ID": f"preempt-{trial}"}  # what a requeued SLURM job keeps: its job id
