@@ -1,29 +1,30 @@
 """Benchmark: DDP against FSDP on a model of about 100M parameters, and how long a checkpoint
 holds the ranks, synchronous against asynchronous.
 
-    python bench/sharding.py                    # the defaults below; about 12 minutes on 2 cores
-    python bench/sharding.py --rounds 2 --procs 1,2
+    python bench/sharding.py                    # the defaults below; about 10 minutes on 2 cores
+    python bench/sharding.py --rounds 1 --procs 2    # quicker
 
 It bakes the template with its default answers and trains the default data (digits) with the
 MLP widened to --hidden units over --layers hidden layers (4096 x 7: 101M parameters, 1.2 GB of
 weights and AdamW state in float32):
 
-  memory and step time   for each round, for each process count in --procs, `train.py` with
-                         parallel.strategy=ddp, then fsdp (--steps optimizer steps, no checkpoint
-                         until the end). Per run: the peak resident memory of the largest process
-                         (a rank), and the median time of a step after the first two. FSDP's
-                         figures are reported as ratios to DDP's of the same round and process
-                         count (median of the rounds, with their spread).
-  checkpoint hold        bench/checkpoint_hold.py under torchrun (--hold-procs processes, FSDP):
-                         per round, a training step, then a synchronous save and an asynchronous
-                         one of the same state. Held: the time until save() returns on the slowest
-                         rank; for the asynchronous save, also the time until the write is on disk.
+  memory and step time   for each round, for each process count in --procs, bench/
+                         sharding_probe.py (train.py's set-up and training step) with
+                         parallel.strategy=ddp, then fsdp, for --steps optimizer steps. Per run:
+                         the peak resident memory of the largest rank at the end of the steps
+                         (set-up included, before any checkpoint), and the median time of a step
+                         after the first two. FSDP's figures are also given as ratios to DDP's of
+                         the same round and process count (median of the rounds, with their
+                         spread).
+  checkpoint hold        bench/sharding_probe.py hold (--hold-procs processes, FSDP): per round, a
+                         training step, then a synchronous save and an asynchronous one of the
+                         same state. Held: the time until save() returns on the slowest rank;
+                         for the asynchronous save, also the time until the write is on disk.
 
 Writes sharding.json and sharding.md into --out, and prints the table.
 """
 
 import argparse
-import itertools
 import json
 import os
 import platform
@@ -32,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import BENCH, bake, json_lines, run_measured
+from bench import BENCH, bake, run_measured
 
 
 def torchrun(script: str, *args: str, nproc: int) -> list[str]:
@@ -47,29 +48,26 @@ def model_args(args) -> list[str]:
             "model.dropout=0", "train.progress_bar=false"]
 
 
-def train_run(project: Path, scratch: Path, args, strategy: str, nproc: int, tag: str) -> dict:
-    run_dir = scratch / f"{strategy}-{nproc}-{tag}"
-    command = torchrun("train.py", *model_args(args), f"parallel.strategy={strategy}",
-                       f"train.max_steps={args.steps}", "train.log_every=1",
-                       "train.ckpt_every=0", f"run.dir={run_dir}", nproc=nproc)
-    _, rss = run_measured(command, project, scratch / f"{strategy}-{nproc}-{tag}.log", nproc)
-    times = [record["time"] for record in json_lines(run_dir / "train_log.jsonl")]
-    step_seconds = [b - a for a, b in itertools.pairwise(times)][2:]
-    return {"peak_rss_mib": rss, "seconds_per_step": statistics.median(step_seconds)}
-
-
-def hold_run(project: Path, scratch: Path, args, tag: str) -> dict:
-    out = scratch / f"hold-{tag}.json"
-    command = torchrun(str(BENCH / "checkpoint_hold.py"), str(out), str(args.hold_rounds),
-                       *model_args(args), "parallel.strategy=fsdp",
-                       f"run.dir={scratch / f'hold-{tag}'}", nproc=args.hold_procs)
+def probe(project: Path, scratch: Path, args, mode: str, count: int, strategy: str,
+          nproc: int, tag: str) -> dict:
+    """bench/sharding_probe.py under torchrun in the baked project; returns what it measured."""
+    name = f"{mode}-{strategy}-{nproc}-{tag}"
+    command = torchrun(str(BENCH / "sharding_probe.py"), mode, str(scratch / f"{name}.json"),
+                       str(count), *model_args(args), f"parallel.strategy={strategy}",
+                       f"run.dir={scratch / name}", nproc=nproc)
     env_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = f"{project}{os.pathsep}{env_path}" if env_path else str(project)
     try:
-        run_measured(command, project, scratch / f"hold-{tag}.log", args.hold_procs)
+        run_measured(command, project, scratch / f"{name}.log", nproc)
     finally:
         os.environ["PYTHONPATH"] = env_path
-    return json.loads(out.read_text())
+    return json.loads((scratch / f"{name}.json").read_text())
+
+
+def train_run(project: Path, scratch: Path, args, strategy: str, nproc: int, tag: str) -> dict:
+    result = probe(project, scratch, args, "train", args.steps, strategy, nproc, tag)
+    return {"peak_rss_mib": max(result["peak_rss_mib"]),
+            "seconds_per_step": result["seconds_per_step"]}
 
 
 def spread(values: list[float]) -> str:
@@ -78,16 +76,18 @@ def spread(values: list[float]) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--procs", default="1,2,4")
     parser.add_argument("--steps", type=int, default=7, help="optimizer steps per training run")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=7)
     parser.add_argument("--hold-procs", type=int, default=2)
     parser.add_argument("--hold-rounds", type=int, default=5)
+    parser.add_argument("--parts", default="train,hold", help="train, hold, or both")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     args = parser.parse_args(argv)
-    procs = [int(n) for n in args.procs.split(",")]
+    parts = args.parts.split(",")
+    procs = [int(n) for n in args.procs.split(",")] if "train" in parts else []
     parameters = (64 * args.hidden + args.hidden + (args.layers - 1) * (args.hidden ** 2
                   + args.hidden) + args.hidden * 10 + 10)
 
@@ -101,8 +101,11 @@ def main(argv: list[str]) -> int:
                     result = train_run(project, scratch, args, strategy, nproc, str(round_index))
                     runs.setdefault(f"{strategy}-{nproc}", []).append(result)
                     print(f"round {round_index + 1}: {strategy} x {nproc}: {result}", flush=True)
-        hold = hold_run(project, scratch, args, "0")
-        print(f"checkpoint hold: {hold}", flush=True)
+        hold = None
+        if "hold" in parts:
+            hold = probe(project, scratch, args, "hold", args.hold_rounds, "fsdp",
+                         args.hold_procs, "0")
+            print(f"checkpoint hold: {hold}", flush=True)
 
     rows = []
     for nproc in procs:
@@ -119,7 +122,8 @@ def main(argv: list[str]) -> int:
             "fsdp_seconds_per_step": statistics.median(f["seconds_per_step"] for f in fsdp),
             "step_time_ratio": step,
         })
-    held = [s / a for s, a in zip(hold["sync_held"], hold["async_held"], strict=True)]
+    held = [s / a for s, a in zip(hold["sync_held"], hold["async_held"],
+                                  strict=True)] if hold else []
     results = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                           f"Python {platform.python_version()}",
                "parameters": parameters, "args": {k: str(v) for k, v in vars(args).items()},
@@ -129,7 +133,7 @@ def main(argv: list[str]) -> int:
     header = ("| processes | DDP peak RSS (MiB) | FSDP peak RSS (MiB) | FSDP / DDP memory "
               "| DDP s/step | FSDP s/step | FSDP / DDP step time |")
     rounds = f"{args.rounds} round(s); FSDP / DDP ratios: median of the rounds (lowest-highest)."
-    lines = [title, "", rounds, "", header, "|" + " --- |" * 7]
+    lines = [title, "", rounds, "", header, "|" + " --- |" * 7] if rows else [title]
     for row in rows:
         lines.append(f"| {row['processes']} | {row['ddp_peak_rss_mib']:.0f} | "
                      f"{row['fsdp_peak_rss_mib']:.0f} | {spread(row['memory_ratio'])} | "
@@ -137,14 +141,15 @@ def main(argv: list[str]) -> int:
                      f"{spread(row['step_time_ratio'])} |")
     hold_title = (f"Checkpoint of the whole state (FSDP, {args.hold_procs} processes, "
                   f"{len(held)} rounds): seconds the ranks are held per save, slowest rank.")
-    lines += ["", hold_title, "", "| save | held (median, lowest-highest) | on disk after |",
+    lines += [] if not hold else ["", hold_title, "", "| save | held (median, lowest-highest) | on disk after |",
               "|" + " --- |" * 3,
               f"| synchronous | {spread(hold['sync_held'])} | the same |",
               f"| asynchronous | {spread(hold['async_held'])} | {spread(hold['async_total'])} |",
               "", f"Synchronous / asynchronous hold, per round: {spread(held)}"]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sharding.json").write_text(json.dumps(results, indent=1))
-    (args.out / "sharding.md").write_text("\n".join(lines) + "\n")
+    name = "sharding" if len(parts) == 2 else f"sharding-{parts[0]}"
+    (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
