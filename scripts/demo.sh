@@ -27,6 +27,7 @@ print(f"test accuracy  {metrics['accuracy']:.4f}  ({metrics['num_samples']} samp
       f"{metrics['world_size']} processes)")
 print(f"test metrics   {run / 'eval-test' / 'metrics.json'}")
 print(f"per-epoch log  {run / 'metrics.jsonl'}")
+print(f"curves         {run / 'curves.png'}")
 print(f"checkpoints    {run / 'checkpoints'}")
 print(f"TensorBoard    tensorboard --logdir {run / 'tb'}")
 PY

@@ -19,7 +19,8 @@ EXPECTED_FILES = {
     "tests/probes.py", "tests/test_faults.py", "tests/fail_at_step.py", "tests/test_launch.py",
     "tests/test_speed.py", "splits.py", "tests/test_experiments.py", "tests/test_training_log.py",
     "tests/test_cluster.py", "tests/stall_at_step.py", "tests/preempt_in_validation.py",
-    "tests/test_fsdp.py", "tests/reshard_probe.py",
+    "tests/test_fsdp.py", "tests/reshard_probe.py", "report.py", "sweep.py", "trackers.py",
+    "tests/test_sweep.py", "tests/test_tracking.py",
 }
 
 
@@ -71,6 +72,15 @@ def test_slurm_bake_asks_for_the_nodes_and_gpus_and_passes_shellcheck(cookies):
     assert os.stat(project / "slurm.sbatch").st_mode & stat.S_IXUSR
     assert unrendered_files(project) == []
     checked = shellcheck(project / "run.sh", project / "slurm.sbatch")
+    assert checked.returncode == 0, checked.stdout
+    # A sweep's SLURM job array, as sweep.py writes it (--dry-run: written, not submitted).
+    written = run([sys.executable, "sweep.py", "--slurm", "--dry-run", "--name", "lr", "--nproc",
+                   "8", "optim.lr=1e-3,3e-3,1e-2", "train.epochs=5"], cwd=project, timeout=60)
+    assert written.returncode == 0, written.stdout
+    array = project / "runs" / "sweeps" / "lr" / "array.sbatch"
+    assert "#SBATCH --array=0,1,2\n" in array.read_text()
+    assert "#SBATCH --gpus-per-node=8\n" in array.read_text()
+    checked = shellcheck(array)
     assert checked.returncode == 0, checked.stdout
 
 

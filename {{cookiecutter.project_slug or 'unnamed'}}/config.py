@@ -95,6 +95,19 @@ class TrainConfig:
     resume: str = "auto"  # auto (this run's last checkpoint, if any) | never | <run or checkpoint>
     device: str = "auto"  # auto (cuda when available) | cuda | cpu
     progress_bar: bool = True  # tqdm bar on rank 0 when attached to a terminal
+    plot_curves: bool = True  # rank 0 draws <run>/curves.png (loss, metric, lr) at the end
+
+
+@dataclass
+class TrackingConfig:
+    # Experiment trackers beside TensorBoard, logged by rank 0 (trackers.py). One tracker run
+    # per job, continued after a restart, a resume or a requeue.
+    mlflow: bool = False  # needs pip install -e '.[mlflow]'
+    mlflow_uri: str = ""  # "": sqlite:///<run.output_dir>/mlflow.db (artifacts beside it)
+    wandb: bool = False  # needs pip install -e '.[wandb]'
+    wandb_mode: str = "auto"  # auto (online when logged in, else offline) | online | offline
+    project: str = ""  # MLflow experiment / W&B project; "": the project folder's name
+    run_name: str = ""  # "": the run folder's name
 
 
 @dataclass
@@ -148,6 +161,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
@@ -158,6 +172,7 @@ CHOICES = {
     "data.worker_start_method": ("forkserver", "spawn", "fork"),
     "optim.schedule": ("cosine", "constant"),
     "train.device": ("auto", "cuda", "cpu"),
+    "tracking.wandb_mode": ("auto", "online", "offline"),
     "ddp.backend": ("auto", "nccl", "gloo"),
     "parallel.strategy": ("ddp", "fsdp"),
     "speed.precision": ("auto", "fp32", "bf16", "fp16"),

@@ -15,6 +15,8 @@ metrics are computed once from all of them (evaluation.py), so every number (PR 
 included) is the one a single process gives.
 Rank 0 writes, into <run>/eval-<split>/: metrics.json, curves.json, the task's plots,
 TensorBoard scalars and curves in tb/, and predictions.npz with eval.save_predictions=true.
+When the run was trained with a tracker on (tracking.*), the metrics (as <split>/<metric>) and
+these files go to the same tracker run too.
 """
 
 import logging
@@ -26,9 +28,10 @@ from omegaconf import DictConfig, OmegaConf
 
 import checkpoint
 import dist_utils
+import trackers
 from config import UserError, config_from_dict, given_keys, load_config
 from data import DataModule
-from evaluation import evaluate_split, summary_lines, write_outputs
+from evaluation import evaluate_split, scalars, summary_lines, write_outputs
 from parallel import build_model
 from speed import resolve_speed
 from tasks import build_task
@@ -62,7 +65,7 @@ def evaluation_config(cfg: DictConfig, argv: list[str], stored: dict, source: Pa
             raise UserError(f"{key}={value} contradicts the checkpoint {source}, which was "
                             f"trained with {key}={was}: drop the override (the model and the "
                             "task come from the checkpoint)")
-        if section == "data" or key == "train.device":
+        if section in ("data", "tracking") or key == "train.device":
             OmegaConf.update(trained, key, value)
     for section in FROM_THIS_CALL:
         trained[section] = cfg[section]
@@ -112,6 +115,13 @@ def main(argv: list[str]) -> None:
     for line in summary_lines(result, task):
         log.info(line)
     log.info("wrote %s in %s", ", ".join(written), out_dir)
+    run_dir = source.parent.parent if in_run else source.parent
+    tracked = trackers.continue_for_evaluation(run_cfg, run_dir)
+    if tracked:  # the run's MLflow / W&B run: its metrics and files
+        tracked.log_metrics({f"{split}/{name}": value for name, value in scalars(result).items()},
+                            state.get("step") or 0)
+        tracked.log_files([out_dir / name for name in written], out_dir.name)
+        tracked.close()
 
 
 if __name__ == "__main__":

@@ -5,13 +5,15 @@
     ./run.sh train.epochs=50 optim.lr=0.001 --config configs/my_experiment.yaml
 
 Each run gets one folder, runs/<run.name>-<time>/ (chosen by rank 0 and shared with the others),
-holding config.yaml, checkpoints/, tb/ (TensorBoard), train_log.jsonl and metrics.jsonl. Only
-rank 0 writes. The distributed parts are the few lines that mention dist_utils, the sampler's
-epoch and the wrapped model; the data, model and task are what the config names.
+holding config.yaml, checkpoints/, tb/ (TensorBoard), train_log.jsonl, metrics.jsonl,
+summary.json (how the run ended, its headline metric) and curves.png. Only rank 0 writes.
+The distributed parts are the few lines that mention dist_utils, the sampler's epoch and the
+wrapped model; the data, model and task are what the config names.
 """
 
 import contextlib
 import gc
+import json
 import logging
 import math
 import sys
@@ -25,6 +27,8 @@ from tqdm import tqdm
 
 import checkpoint
 import dist_utils
+import report
+import trackers
 from checkpoint import Position
 from config import load_config
 from data import DataModule, count_samples, to_device
@@ -148,6 +152,7 @@ class Setup:
     resumed: bool
     supervisor: dist_utils.Supervisor  # preemption signals and stalls
     checkpointer: checkpoint.Checkpointer
+    trackers: trackers.Trackers | None  # MLflow / W&B, rank 0 only, when the config asks
 
     def parts(self) -> dict:
         """Everything a checkpoint saves and a resume restores, by name."""
@@ -179,6 +184,7 @@ def setup(argv: list[str]) -> Setup:
             input_shape = task.input_shape(data.datasets["train"][0])
             model = build_model(cfg.model, input_shape, task.num_outputs)
             speed = resolve_speed(cfg, device, input_shape)
+            trackers.check_installed(cfg)
             resume_from = checkpoint.checkpoint_to_resume(cfg, run.path)
             if resume_from:  # a damaged checkpoint is one line before any model is built
                 checkpoint.load_checkpoint(resume_from)
@@ -195,11 +201,12 @@ def setup(argv: list[str]) -> Setup:
     model = wrap_model(model, cfg, env, device, speed)
     optimizer = build_optimizer(model, cfg, speed)
     scheduler = LRSchedule(optimizer, cfg.optim.warmup_steps, total_steps, cfg.optim.schedule)
+    tracked = trackers.Trackers(cfg, run.path) if env.is_main and trackers.enabled(cfg) else None
     s = Setup(cfg, env, device, data, task, speed, model, optimizer, scheduler,
-              grad_scaler(speed, device), TrainingLog(run.path, env, device), run.path,
+              grad_scaler(speed, device), TrainingLog(run.path, env, device, tracked), run.path,
               Position(), total_steps, resumed=resume_from is not None,
               supervisor=dist_utils.Supervisor(env, cfg.ddp.timeout_minutes),
-              checkpointer=checkpoint.Checkpointer(run.path, cfg, env))
+              checkpointer=checkpoint.Checkpointer(run.path, cfg, env), trackers=tracked)
     if resume_from:
         try:
             with dist_utils.agree_on_errors():  # into the wrapped model: each rank its part
@@ -210,10 +217,44 @@ def setup(argv: list[str]) -> Setup:
         s.log.resume(s.position, truncate=s.position.step < total_steps)
         log.info("resumed from %s: step %d, epoch %d, %d step(s) into it", resume_from,
                  s.position.step, s.position.epoch + 1, s.position.step_in_epoch)
+    elif not run.created:  # restarted before its first checkpoint: it logs from step 1 again
+        s.log.resume(s.position, truncate=True)
     with dist_utils.agree_on_errors():  # a full disk is one line, not a traceback on rank 0
         if env.is_main:
             checkpoint.write_text(run.path / "config.yaml", OmegaConf.to_yaml(cfg))
+            write_summary(s, "running")
+    if tracked:  # before step 1: the tracker run exists (or its failure is said) from the start
+        tracked.start()
     return s
+
+
+def write_summary(s: Setup, status: str) -> None:
+    """<run>/summary.json (rank 0): how the run stands, and its task's headline validation
+    metric, last and best (what report.py and sweep.py rank runs by)."""
+    summary = {"status": status, "step": s.position.step, "epoch": s.position.epoch,
+               "total_steps": s.total_steps, "world_size": s.env.world_size,
+               "headline": s.task.headline, "higher_is_better": s.task.higher_is_better}
+    if status != "running":
+        history = report.read_run(s.run_dir)
+        values = history.val_values()
+        summary.update({"metric": f"val_{history.headline}", "best": history.best(),
+                        "last": values[-1] if values else None})
+    checkpoint.write_text(s.run_dir / report.SUMMARY_FILE, json.dumps(summary, indent=1))
+
+
+def finish(s: Setup, status: str) -> None:
+    """Rank 0, after the training log is closed: summary.json, curves.png (when done), the
+    trackers' files, and the trackers closed."""
+    if not s.env.is_main:
+        return
+    write_summary(s, status)
+    files = [s.run_dir / "config.yaml", s.run_dir / report.SUMMARY_FILE]
+    if status == "done" and s.cfg.train.plot_curves:
+        files.append(report.plot_runs([report.read_run(s.run_dir)], s.run_dir
+                                      / report.CURVES_FILE, title=s.run_dir.name))
+    if s.trackers:
+        s.trackers.log_files(files, "run")
+        s.trackers.close("finished" if status == "done" else status)
 
 
 def describe(s: Setup) -> None:
@@ -235,6 +276,8 @@ def stop_for_preemption(s: Setup) -> None:
     s.save()
     s.checkpointer.wait()  # an asynchronous write too: on disk before the job leaves
     s.log.close()
+    with dist_utils.agree_on_errors():
+        finish(s, "preempted")
     s.supervisor.settle()
     raise dist_utils.Preempted(f"saved step {s.position.step} in {s.run_dir}; run the same "
                                "command again to continue from there")
@@ -250,7 +293,7 @@ def main(argv: list[str]) -> None:
     # Settings the loop reads every step, as plain numbers (an OmegaConf read is far slower).
     epochs, log_every, ckpt_every = cfg.train.epochs, cfg.train.log_every, cfg.train.ckpt_every
     grad_clip = cfg.optim.grad_clip
-    first_step, last_saved = position.step, position.step if s.resumed else -1
+    last_saved = position.step if s.resumed else -1
     show_bar = s.env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
     while position.epoch < epochs and position.step < s.total_steps:
         model.train()
@@ -266,8 +309,10 @@ def main(argv: list[str]) -> None:
             position.step += 1
             position.step_in_epoch += 1
             bar.update()
-            # The first step is logged too: it shows when training really started.
-            if position.step % log_every == 0 or position.step == first_step + 1:
+            # The first step is logged too: it shows when training really started. (Not the
+            # first after a resume: its windows stay those of an uninterrupted run, which a
+            # tracker already holds when a restarted job repeats steps.)
+            if position.step % log_every == 0 or position.step == 1:
                 train_log.flush(position.step, s.scheduler.get_last_lr()[0])
                 bar.set_postfix(loss=f"{train_log.last.get('loss', math.nan):.4f}")
             if s.supervisor.should_stop():  # a preemption signal: every rank stops here
@@ -301,6 +346,8 @@ def main(argv: list[str]) -> None:
     s.checkpointer.wait()
     export(s)
     train_log.close()
+    with dist_utils.agree_on_errors():  # summary.json, curves.png, the trackers' files
+        finish(s, "done")
     s.supervisor.settle()
     log.info("done: checkpoints in %s, the final model in %s, TensorBoard logs in %s",
              s.run_dir / "checkpoints", s.run_dir / checkpoint.MODEL_FILE, s.run_dir / "tb")

@@ -13,8 +13,10 @@ next one starts, before a checkpoint, or at the end of the epoch:
     metrics.jsonl      one line per epoch: train_<name> over the whole epoch, val_<metric>,
                        train_seconds, val_seconds, epoch_seconds
     tb/                TensorBoard: train/<name>, val/<metric>
+    trackers           MLflow / W&B when the config turns them on (trackers.py): the same
+                       values, plus epoch/<name> for the rest of an epoch's record
 
-A new value reaches all three by being in the dict the task returns; nothing here names one.
+A new value reaches all of them by being in the dict the task returns; nothing here names one.
 """
 
 import contextlib
@@ -56,12 +58,12 @@ class Writer:
     only queues a record (a protobuf and a file write for every scalar would otherwise cost the
     step time). Records keep their order; close() waits until all are written."""
 
-    def __init__(self, run_dir: Path, purge_step: int | None):
+    def __init__(self, run_dir: Path, purge_step: int | None, trackers=None):
         # Imported here, by rank 0 only and in the loop's own thread: an import in the writer's
         # thread would hold the interpreter lock while training steps run.
         from torch.utils.tensorboard import SummaryWriter
 
-        self.run_dir = run_dir
+        self.run_dir, self.trackers = run_dir, trackers
         # purge_step: TensorBoard hides what an earlier attempt logged after the checkpoint.
         self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step)
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -69,19 +71,23 @@ class Writer:
         self.thread = threading.Thread(target=self._work, name="training-log", daemon=True)
         self.thread.start()
 
-    def write(self, file_name: str, record: dict, scalars: dict, step: int) -> None:
-        """Append `record` to `file_name`, and `scalars` (tag -> number) to TensorBoard."""
-        self.queue.put((file_name, record, scalars, step))
+    def write(self, file_name: str, record: dict, scalars: dict, step: int,
+              tracked: dict | None = None) -> None:
+        """Append `record` to `file_name`, `scalars` (tag -> number) to TensorBoard and
+        `tracked` (default: `scalars`) to the trackers."""
+        self.queue.put((file_name, record, scalars, step, scalars if tracked is None else tracked))
 
     def _work(self) -> None:
         while (item := self.queue.get()) is not None:
             if self.failed:
                 continue
             try:
-                file_name, record, scalars, step = item
+                file_name, record, scalars, step, tracked = item
                 for tag, value in scalars.items():
                     self.tensorboard.add_scalar(tag, value, step)
                 _append_json(self.run_dir / file_name, record)
+                if self.trackers:  # never raises: a failing tracker is reported and dropped
+                    self.trackers.log_metrics(tracked, step)
             except OSError as error:  # a full disk, say: say so once; training goes on
                 self.failed = error
                 log.warning("cannot write the training log in %s (%s): training goes on; a "
@@ -95,8 +101,8 @@ class Writer:
 
 
 class TrainingLog:
-    def __init__(self, run_dir: Path, env: DistEnv, device: torch.device):
-        self.run_dir, self.env, self.device = run_dir, env, device
+    def __init__(self, run_dir: Path, env: DistEnv, device: torch.device, trackers=None):
+        self.run_dir, self.env, self.device, self.trackers = run_dir, env, device, trackers
         self.purge_step = None  # resumed: TensorBoard hides what came after the checkpoint
         self.names: list[str] = []
         self.steps: list = []  # this window's (values, samples) of every step, on the device
@@ -207,8 +213,10 @@ class TrainingLog:
         record.update({f"val_{name}": value for name, value in val.items()})
         record.update({f"{name}_seconds": value for name, value in seconds.items()})
         if self.env.is_main:  # TensorBoard: the validation metrics (train/ has the windows)
-            self.writer().write("metrics.jsonl", record,
-                                {f"val/{name}": value for name, value in val.items()}, step)
+            scalars = {f"val/{name}": value for name, value in val.items()}
+            rest = {f"epoch/{name}": value for name, value in record.items()
+                    if name != "step" and not name.startswith("val_")}
+            self.writer().write("metrics.jsonl", record, scalars, step, {**scalars, **rest})
         return record
 
     # -- resume and output ------------------------------------------------------------------------
@@ -232,7 +240,7 @@ class TrainingLog:
     def writer(self) -> Writer:
         """Rank 0's writer, started at the first record (not before step 1)."""
         if self._writer is None:
-            self._writer = Writer(self.run_dir, self.purge_step)
+            self._writer = Writer(self.run_dir, self.purge_step, self.trackers)
         return self._writer
 
     def close(self) -> None:

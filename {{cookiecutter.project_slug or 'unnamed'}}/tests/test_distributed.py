@@ -95,8 +95,8 @@ def test_classification_trains_with_run_sh_and_evaluates_exactly(tmp_path, tiny_
     assert len(list((run_dir / "tb").iterdir())) == 1  # one event file: rank 0's
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        ".job_id", ".lock", "checkpoints", "config.yaml", "metrics.jsonl", "model.pt", "tb",
-        "train_log.jsonl"]
+        ".job_id", ".lock", "checkpoints", "config.yaml", "metrics.jsonl", "model.pt",
+        "summary.json", "tb", "train_log.jsonl"]
     weights = read_model(shards)
     assert weights and not any(k.startswith(("module.", "_orig_mod.")) for k in weights)
     exported = torch.load(run_dir / "model.pt", weights_only=True)["model"]

@@ -1,0 +1,513 @@
+"""Hyperparameter sweeps: every trial a normal run, launched with run.sh.
+
+    python sweep.py optim.lr=1e-3,3e-3 model.hidden_dim=128,256        # a grid: 4 trials
+    python sweep.py --random 8 optim.lr=loguniform(1e-4,1e-2) model.dropout=0,0.1,0.2
+    python sweep.py --nproc 2 --name lr-scan optim.lr=1e-3,3e-3 train.epochs=50
+    python sweep.py --slurm optim.lr=1e-3,3e-3                          # a SLURM job array
+
+An override with a comma (or a range, for --random) is swept; one without is set in every
+trial. Each trial runs `./run.sh <its overrides> run.dir=<sweep>/trial-NNN` with --nproc
+processes (default: $NPROC_PER_NODE, else 1), so it is an ordinary run folder: resumable,
+evaluable, tracked like any other.
+
+On one machine the trials are packed onto the GPUs: a trial of k processes gets k GPUs of its
+own through CUDA_VISIBLE_DEVICES, and as many trials run at once as there are GPUs for them.
+Without GPUs, one trial runs at a time. With --slurm the trials become one job array
+(<sweep>/array.sbatch), each element a job of its own, requeued after a preemption.
+
+The sweep folder (default runs/sweeps/<name>) holds sweep.json (the plan), the trials' run
+folders, logs/trial-NNN.log (each trial's output) and, when every trial has ended, summary.csv
+and summary.md (trials ranked by the task's headline validation metric) and summary.png (that
+metric against each swept setting). Running the same command again (same --name) reruns only
+the trials that did not finish: the failed ones, and those a crash or preemption cut short
+(they continue from their checkpoints). A failing trial is reported with its one-line error;
+the others go on. The exit status is 0 when every trial finished, 1 otherwise.
+"""
+
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import report
+from config import PROJECT_DIR, UserError, schema_type
+
+PLAN_FILE = "sweep.json"
+LAUNCH_MARK = "### sweep.py started:"  # heads each launch in a trial's log
+RANGE = re.compile(r"^(uniform|loguniform|int)\((.+),(.+)\)$")
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+def parse_space(overrides: list[str], random_search: bool) -> tuple[dict, list[str]]:
+    """{key: [values] or (kind, low, high)} for the swept keys, and the fixed overrides."""
+    space, fixed = {}, []
+    for item in overrides:
+        key, has_value, value = item.partition("=")
+        if not has_value or not key:
+            raise UserError(f"{item!r} is not a key=value override, e.g. optim.lr=1e-3,3e-3")
+        if schema_type(key) is None:
+            raise UserError(f"{key} is not a config key (python config.py lists them all)")
+        if key in ("run.dir", "run.output_dir"):
+            raise UserError(f"{key} is set by the sweep for each trial: drop it (use --out)")
+        ranged = RANGE.match(value.replace(" ", ""))
+        if ranged:
+            if not random_search:
+                raise UserError(f"{item}: a range needs --random N (a grid takes lists: "
+                                f"{key}=a,b,c)")
+            kind, low, high = ranged.groups()
+            try:
+                low_value, high_value = float(low), float(high)
+            except ValueError:
+                raise UserError(f"{item}: the range's ends must be numbers") from None
+            if not low_value < high_value or (kind == "loguniform" and low_value <= 0):
+                raise UserError(f"{item}: needs 0 < low < high for loguniform, low < high "
+                                "otherwise")
+            space[key] = (kind, low_value, high_value)
+        elif "," in value:
+            values = value.split(",")
+            if len(set(values)) != len(values) or "" in values:
+                raise UserError(f"{item}: list each value once, separated by commas")
+            space[key] = values
+        else:
+            fixed.append(item)
+    if not space:
+        raise UserError("nothing to sweep: give at least one key a list of values, e.g. "
+                        "optim.lr=1e-3,3e-3")
+    return space, fixed
+
+
+def _draw(spec, rng: random.Random) -> str:
+    if isinstance(spec, list):
+        return rng.choice(spec)
+    kind, low, high = spec
+    if kind == "int":
+        return str(rng.randint(math.ceil(low), math.floor(high)))
+    if kind == "loguniform":
+        return f"{math.exp(rng.uniform(math.log(low), math.log(high))):.4g}"
+    return f"{rng.uniform(low, high):.4g}"
+
+
+def plan_trials(space: dict, random_trials: int = 0, seed: int = 0) -> list[dict]:
+    """Each trial's swept settings, in order: the whole grid, or `random_trials` draws (distinct
+    while the space has that many)."""
+    keys = list(space)
+    if not random_trials:
+        return [dict(zip(keys, values, strict=True))
+                for values in itertools.product(*(space[key] for key in keys))]
+    rng, trials, seen = random.Random(seed), [], set()
+    size = math.prod(len(s) if isinstance(s, list) else math.inf for s in space.values())
+    while len(trials) < random_trials:
+        trial = {key: _draw(space[key], rng) for key in keys}
+        signature = tuple(trial.values())
+        if signature in seen and len(seen) < size:
+            continue
+        seen.add(signature)
+        trials.append(trial)
+    return trials
+
+
+def trial_id(index: int) -> str:
+    return f"trial-{index:03d}"
+
+
+@dataclass
+class Sweep:
+    folder: Path
+    trials: list[dict]  # the swept settings of each trial
+    fixed: list[str]  # overrides of every trial
+    nproc: int
+    config_file: str = ""
+
+    def overrides(self, index: int) -> list[str]:
+        args = [f"--config={self.config_file}"] if self.config_file else []
+        return [*args, *self.fixed, *(f"{k}={v}" for k, v in self.trials[index].items()),
+                f"run.dir={self.run_dir(index)}"]
+
+    def run_dir(self, index: int) -> Path:
+        return self.folder / trial_id(index)
+
+    def log_file(self, index: int) -> Path:
+        return self.folder / "logs" / f"{trial_id(index)}.log"
+
+    def finished(self, index: int) -> bool:
+        summary = self.run_dir(index) / report.SUMMARY_FILE
+        try:
+            return json.loads(summary.read_text()).get("status") == "done"
+        except (OSError, json.JSONDecodeError):
+            return False
+
+    def save(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        plan = {"trials": self.trials, "fixed": self.fixed, "nproc": self.nproc,
+                "config_file": self.config_file}
+        (self.folder / PLAN_FILE).write_text(json.dumps(plan, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, folder: Path) -> "Sweep":
+        try:
+            plan = json.loads((folder / PLAN_FILE).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise UserError(f"{folder} is not a sweep folder ({error})") from None
+        return cls(folder, plan["trials"], plan["fixed"], plan["nproc"], plan["config_file"])
+
+
+def open_sweep(args) -> Sweep:
+    """The sweep folder: created with its plan, or found again (then the plan must match)."""
+    space, fixed = parse_space(args.overrides, bool(args.random))
+    trials = plan_trials(space, args.random, args.seed)
+    wanted = Sweep(args.out / args.name, trials, fixed, args.nproc, args.config or "")
+    if (wanted.folder / PLAN_FILE).is_file():
+        found = Sweep.load(wanted.folder)
+        if (found.trials, found.fixed, found.nproc, found.config_file) != (
+                wanted.trials, wanted.fixed, wanted.nproc, wanted.config_file):
+            raise UserError(f"{wanted.folder} holds a sweep with other settings: rerun its own "
+                            "command to continue it, or choose another --name")
+        return found
+    wanted.save()
+    return wanted
+
+
+# --- running trials on one machine -------------------------------------------------------------
+
+def visible_devices() -> list[str]:
+    """The GPUs this process may use (ids as CUDA_VISIBLE_DEVICES names them)."""
+    from preflight import visible_gpus
+
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d for d in listed.split(",") if d.strip() and d.strip() != "-1"]
+    return [str(i) for i in range(visible_gpus())]
+
+
+class DevicePool:
+    """GPUs handed out in blocks of k, each GPU to one trial at a time."""
+
+    def __init__(self, devices: list[str]):
+        self.free = list(devices)
+
+    def take(self, count: int) -> list[str] | None:
+        if len(self.free) < count:
+            return None
+        taken, self.free = self.free[:count], self.free[count:]
+        return taken
+
+    def give(self, devices: list[str]) -> None:
+        self.free.extend(devices)
+
+
+def run_packed(indices: list[int], nproc: int, devices: list[str], start, wait_step=None,
+               max_parallel: int = 0) -> dict[int, int]:
+    """Run trials, as many at once as the devices allow (one at a time with none).
+
+    start(index, devices) starts a trial and returns something with poll() (a Popen);
+    wait_step() is called while trials run (default: a short sleep). Returns each trial's exit
+    status."""
+    if devices and nproc > len(devices):
+        raise UserError(f"a trial of {nproc} processes needs {nproc} GPUs and {len(devices)} "
+                        f"are visible: use --nproc {len(devices)} or fewer")
+    pool = DevicePool(devices)
+    limit = max_parallel or (len(devices) // nproc if devices else 1)
+    waiting, running, statuses = list(indices), {}, {}
+    while waiting or running:
+        while waiting and len(running) < limit:
+            block = pool.take(nproc) if devices else []
+            if block is None:
+                break
+            index = waiting.pop(0)
+            running[index] = (start(index, block), block)
+        for index, (process, block) in list(running.items()):
+            status = process.poll()
+            if status is not None:
+                statuses[index] = status
+                pool.give(block)
+                del running[index]
+        if running:
+            (wait_step or (lambda: time.sleep(0.2)))()
+    return statuses
+
+
+def error_line(log_file: Path) -> str:
+    """The line that says why a trial failed: its `error: ...`, else its last words."""
+    try:
+        lines = [line.strip() for line in log_file.read_text(errors="replace").splitlines()]
+    except OSError:
+        return "(no log)"
+    for line in reversed(lines):
+        if line.startswith("error:") or " error: " in line:
+            return line
+    return next((line for line in reversed(lines) if line), "(empty log)")
+
+
+def start_trial(sweep: Sweep, index: int, devices: list[str], threads: int) -> subprocess.Popen:
+    env = dict(os.environ, NPROC_PER_NODE=str(sweep.nproc), OMP_NUM_THREADS=str(threads))
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    for name in ("RDZV_ID", "SLURM_JOB_ID", "DDP_JOB_ID"):  # each trial a job of its own
+        env.pop(name, None)
+    log_file = sweep.log_file(index)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "a") as handle:
+        handle.write(f"{LAUNCH_MARK} {time.strftime('%Y-%m-%d %H:%M:%S')} ./run.sh "
+                     f"{' '.join(sweep.overrides(index))}\n")
+        handle.flush()
+        return subprocess.Popen(["./run.sh", *sweep.overrides(index)], cwd=PROJECT_DIR,
+                                stdout=handle, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+def run_local(sweep: Sweep, devices: list[str], max_parallel: int) -> dict[int, int]:
+    todo = [i for i in range(len(sweep.trials)) if not sweep.finished(i)]
+    done = len(sweep.trials) - len(todo)
+    print(f"sweep {sweep.folder}: {len(sweep.trials)} trial(s), {done} finished before, "
+          f"{len(todo)} to run, {sweep.nproc} process(es) each, "
+          f"{'GPUs ' + ','.join(devices) if devices else 'no GPU: one at a time'}", flush=True)
+    cores = os.cpu_count() or 1
+    in_use = max(1, (len(devices) if devices else sweep.nproc))
+    threads = max(1, cores // in_use)
+    processes: list[subprocess.Popen] = []
+
+    def start(index: int, block: list[str]) -> subprocess.Popen:
+        settings = " ".join(f"{k}={v}" for k, v in sweep.trials[index].items())
+        where = f" on GPU {','.join(block)}" if block else ""
+        print(f"{trial_id(index)} started: {settings}{where}", flush=True)
+        process = start_trial(sweep, index, block, threads)
+        processes.append(process)
+        return process
+
+    def stop(signum, frame):
+        # Ctrl-C, or SIGTERM from a scheduler: every running trial gets SIGTERM, which run.sh
+        # treats as a preemption (a checkpoint at the step all ranks reach); a rerun continues.
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        statuses = run_packed(todo, sweep.nproc, devices, start, max_parallel=max_parallel)
+    except KeyboardInterrupt:
+        for process in processes:
+            process.wait()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for index in todo:
+        status = statuses[index]
+        if status == 0 and sweep.finished(index):
+            print(f"{trial_id(index)} finished", flush=True)
+        else:
+            print(f"{trial_id(index)} failed (exit {status}): {error_line(sweep.log_file(index))}"
+                  f"  [log: {sweep.log_file(index)}]", flush=True)
+    return statuses
+
+
+# --- SLURM --------------------------------------------------------------------------------------
+
+ARRAY_SCRIPT = """#!/usr/bin/env bash
+# Job array of sweep @NAME@: element N runs trial N of sweep.json through run.sh.
+# Written by sweep.py --slurm (which submits it); rerunning that command resubmits only the
+# trials that did not finish. A preempted element saves a checkpoint and requeues itself.
+#SBATCH --job-name=@NAME@
+#SBATCH --array=@ARRAY@
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=@NPROC@
+#SBATCH --cpus-per-task=@CPUS@
+#SBATCH --time=@TIME@
+#SBATCH --signal=USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=@FOLDER@/logs/trial-%a.slurm.out
+set -euo pipefail
+cd @PROJECT@
+
+trial_args=()
+while IFS= read -r line; do
+  trial_args+=("$line")
+done < <("${PYTHON:-python3}" sweep.py --trial-args @QUOTED_FOLDER@ "$SLURM_ARRAY_TASK_ID")
+
+export NPROC_PER_NODE=@NPROC@
+export RDZV_ID="$SLURM_JOB_ID"  # each element has its own job id, kept when requeued
+status=0
+srun --kill-on-bad-exit=1 ./run.sh "${trial_args[@]}" || status=$?
+if [[ "$status" -eq 75 ]]; then
+  echo "preempted: the checkpoint is saved; requeueing job $SLURM_JOB_ID to continue"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"
+"""
+
+
+def array_script(sweep: Sweep, indices: list[int], args) -> str:
+    """A job array of the trials `indices`: each element one trial on its own allocation."""
+    array = ",".join(str(i) for i in indices)
+    if args.max_parallel:
+        array += f"%{args.max_parallel}"
+    values = {"@NAME@": sweep.folder.name, "@ARRAY@": array, "@NPROC@": str(sweep.nproc),
+              "@CPUS@": str(args.cpus_per_task), "@TIME@": args.time,
+              "@FOLDER@": str(sweep.folder), "@PROJECT@": shlex.quote(str(PROJECT_DIR)),
+              "@QUOTED_FOLDER@": shlex.quote(str(sweep.folder))}
+    text = ARRAY_SCRIPT
+    for placeholder in sorted(values, key=len, reverse=True):  # @QUOTED_FOLDER@ before @FOLDER@
+        text = text.replace(placeholder, values[placeholder])
+    return text
+
+
+def submit_array(sweep: Sweep, args) -> int:
+    todo = [i for i in range(len(sweep.trials)) if not sweep.finished(i)]
+    if not todo:
+        print(f"sweep {sweep.folder}: every trial finished")
+        return write_summary(sweep)
+    script = sweep.folder / "array.sbatch"
+    script.write_text(array_script(sweep, todo, args))
+    (sweep.folder / "logs").mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        print(f"wrote {script} (not submitted: --dry-run)")
+        return 0
+    result = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True,
+                            text=True, check=False)
+    if result.returncode != 0:
+        raise UserError(f"sbatch refused {script}: {result.stderr.strip() or result.stdout}")
+    print(f"submitted job array {result.stdout.strip()} ({len(todo)} trial(s)); when it has "
+          f"ended, `python sweep.py --summary {sweep.folder}` writes the summary")
+    return 0
+
+
+# --- the summary ------------------------------------------------------------------------------
+
+def write_summary(sweep: Sweep) -> int:
+    """summary.csv / .md (ranked) and summary.png; returns 0 if every trial finished."""
+    rows, runs = [], []
+    for index, settings in enumerate(sweep.trials):
+        run_dir = sweep.run_dir(index)
+        history = report.read_run(run_dir) if run_dir.is_dir() else None
+        if history is not None:
+            runs.append((settings, history))
+        row = {"trial": trial_id(index), **settings,
+               "status": "finished" if sweep.finished(index) else "failed",
+               "metric": f"val_{history.headline}" if history else None,
+               "best": history.best() if history else None,
+               "last": (history.val_values() or [None])[-1] if history else None}
+        if row["status"] == "failed":
+            row["error"] = error_line(sweep.log_file(index))
+        rows.append(row)
+    higher = all(history.higher_is_better for _, history in runs) if runs else True
+    rows = report.rank(rows, higher_is_better=higher)
+    tables = report.write_table(rows, sweep.folder / "summary")
+    png = plot_sweep(sweep, runs, sweep.folder / "summary.png")
+    print(report.markdown_table(rows), end="")
+    print(f"wrote {', '.join(str(path) for path in [*tables, png])}")
+    return 0 if all(row["status"] == "finished" for row in rows) else 1
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def plot_sweep(sweep: Sweep, runs: list, out: Path) -> Path:
+    """The best headline validation value of each trial against each swept setting."""
+    plt = report._pyplot()
+    keys = list(sweep.trials[0]) if sweep.trials else []
+    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4.5 * max(1, len(keys)), 3.8),
+                             squeeze=False)
+    metric = f"val {runs[0][1].headline}" if runs else "val metric"
+    for ax, key in zip(axes[0], keys, strict=False):
+        points = [(settings[key], history.best()) for settings, history in runs
+                  if history.best() is not None]
+        numbers = [_number(value) for value, _ in points]
+        if points and all(n is not None for n in numbers):
+            ax.scatter(numbers, [best for _, best in points])
+            positive = [n for n in numbers if n > 0]
+            if len(positive) == len(numbers) and max(numbers) / min(numbers) >= 10:
+                ax.set_xscale("log")
+        elif points:
+            labels = sorted({value for value, _ in points})
+            ax.scatter([labels.index(value) for value, _ in points],
+                       [best for _, best in points])
+            ax.set_xticks(range(len(labels)), labels, rotation=30)
+        ax.set(xlabel=key, ylabel=f"best {metric}")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"sweep {sweep.folder.name}: {len(runs)} of {len(sweep.trials)} trials")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Run a grid or random search of training runs (see the module docstring).")
+    parser.add_argument("overrides", nargs="*", help="key=v1,v2 (swept) or key=v (fixed)")
+    parser.add_argument("--name", default="", help="sweep name (default sweep-<time>); the "
+                        "same name continues a sweep")
+    parser.add_argument("--out", type=Path, default=Path("runs/sweeps"),
+                        help="folder of sweep folders (default runs/sweeps)")
+    parser.add_argument("--nproc", type=int, default=int(os.environ.get("NPROC_PER_NODE", 1)),
+                        help="processes (GPUs) per trial")
+    parser.add_argument("--config", default="", help="config file for every trial")
+    parser.add_argument("--random", type=int, default=0, metavar="N",
+                        help="N random draws instead of the whole grid")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --random")
+    parser.add_argument("--gpus", default=None, help="GPU ids to pack trials on (default: "
+                        "all visible); empty: run on CPU, one trial at a time")
+    parser.add_argument("--max-parallel", type=int, default=0,
+                        help="at most this many trials at once (default: as the GPUs allow)")
+    parser.add_argument("--slurm", action="store_true", help="submit a SLURM job array")
+    parser.add_argument("--dry-run", action="store_true", help="--slurm: write, do not submit")
+    parser.add_argument("--time", default="24:00:00", help="--slurm: time limit per trial")
+    parser.add_argument("--cpus-per-task", type=int, default=8, help="--slurm: CPUs per trial")
+    parser.add_argument("--summary", type=Path, metavar="SWEEP",
+                        help="only write the summary of the sweep folder SWEEP")
+    parser.add_argument("--trial-args", nargs=2, metavar=("SWEEP", "N"), help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.trial_args:  # the job array's elements: one override per line
+            sweep = Sweep.load(Path(args.trial_args[0]))
+            print("\n".join(sweep.overrides(int(args.trial_args[1]))))
+            return 0
+        if args.summary:
+            return write_summary(Sweep.load(args.summary))
+        if args.nproc < 1:
+            raise UserError(f"--nproc {args.nproc} is not valid: at least 1 process per trial")
+        if args.random < 0:
+            raise UserError(f"--random {args.random} is not valid: a number of trials, >= 1")
+        args.out = args.out if args.out.is_absolute() else PROJECT_DIR / args.out
+        args.name = args.name or time.strftime("sweep-%Y%m%d-%H%M%S")
+        sweep = open_sweep(args)
+        if args.slurm:
+            return submit_array(sweep, args)
+        devices = visible_devices() if args.gpus is None else [
+            d for d in args.gpus.split(",") if d.strip()]
+        run_local(sweep, devices, args.max_parallel)
+        return write_summary(sweep)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("sweep stopped: rerun the same command to continue it", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,127 @@
+"""Sweeps: the plan, the packing of trials onto GPUs (a scheduler test with pretend devices), and a
+real 4-trial grid of 2-process runs with one bad trial, rerun, summarised and reported."""
+
+import csv
+import json
+import sys
+
+import pytest
+
+import sweep
+from config import UserError
+from conftest import TINY, run
+
+
+class PretendTrial:
+    """Runs for three polls, then exits 0; records who ran alongside it and on which GPUs."""
+
+    def __init__(self, index, devices, running, log):
+        self.index, self.devices, self.polls, self.running = index, devices, 0, running
+        running[index] = devices
+        log.append({i: list(d) for i, d in running.items()})
+
+    def poll(self):
+        self.polls += 1
+        if self.polls < 3:
+            return None
+        self.running.pop(self.index, None)
+        return 0
+
+
+def pack(trials: int, nproc: int, devices: list[str]):
+    running, log = {}, []
+    statuses = sweep.run_packed(list(range(trials)), nproc, devices,
+                                lambda index, block: PretendTrial(index, block, running, log),
+                                wait_step=lambda: None)
+    return statuses, log
+
+
+def test_eight_gpus_run_four_two_process_trials_at_once_on_disjoint_gpus():
+    statuses, log = pack(10, 2, [str(i) for i in range(8)])
+    assert statuses == dict.fromkeys(range(10), 0)
+    assert max(len(snapshot) for snapshot in log) == 4
+    for snapshot in log:
+        used = [gpu for block in snapshot.values() for gpu in block]
+        assert len(used) == len(set(used)) and all(len(b) == 2 for b in snapshot.values())
+    assert {gpu for snapshot in log for block in snapshot.values() for gpu in block} == {
+        str(i) for i in range(8)}
+
+
+def test_without_gpus_one_trial_runs_at_a_time_and_too_big_a_trial_is_refused():
+    statuses, log = pack(3, 2, [])
+    assert statuses == {0: 0, 1: 0, 2: 0} and max(len(snapshot) for snapshot in log) == 1
+    statuses, log = pack(4, 3, ["0", "1", "2", "3"])  # one 3-GPU trial at a time; 1 GPU idle
+    assert max(len(snapshot) for snapshot in log) == 1
+    with pytest.raises(UserError, match="needs 4 GPUs and 2 are visible"):
+        pack(1, 4, ["0", "1"])
+
+
+def test_the_plan_grid_random_and_bad_input():
+    space, fixed = sweep.parse_space(["optim.lr=1e-3,3e-3", "model.hidden_dim=16,32",
+                                      "train.epochs=2"], random_search=False)
+    assert fixed == ["train.epochs=2"]
+    grid = sweep.plan_trials(space)
+    assert len(grid) == 4 and len({tuple(t.values()) for t in grid}) == 4
+    space, _ = sweep.parse_space(["optim.lr=loguniform(1e-4,1e-2)", "model.dropout=0,0.1"],
+                                 random_search=True)
+    draws = sweep.plan_trials(space, random_trials=6, seed=1)
+    assert draws == sweep.plan_trials(space, random_trials=6, seed=1)  # the seed fixes them
+    assert all(1e-4 <= float(t["optim.lr"]) <= 1e-2 for t in draws)
+    for overrides, random_search, message in [
+        (["optim.lrr=1,2"], False, "not a config key"),
+        (["optim.lr=loguniform(1e-4,1e-2)"], False, "needs --random"),
+        (["optim.lr=1e-3"], False, "nothing to sweep"),
+        (["optim.lr=1e-3,1e-3"], False, "each value once"),
+        (["run.dir=a,b"], False, "set by the sweep"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            sweep.parse_space(overrides, random_search)
+
+
+@pytest.mark.slow
+def test_a_grid_of_two_process_trials_survives_a_bad_one_reruns_it_alone_and_ranks(tmp_path):
+    import matplotlib.image
+
+    # 16 does not divide by 2 processes x 3 accumulation steps: that one trial fails at launch.
+    command = [sys.executable, "sweep.py", "--name", "grid", "--out", str(tmp_path), "--nproc",
+               "2", "--gpus", "", "train.global_batch_size=12,16", "train.grad_accum_steps=1,3",
+               *TINY, "train.epochs=1", "train.plot_curves=true"]
+    first = run(command, timeout=600)
+    assert first.returncode == 1, first.stdout
+    folder = tmp_path / "grid"
+    failed = [line for line in first.stdout.splitlines() if " failed (exit" in line]
+    assert len(failed) == 1 and failed[0].startswith("trial-003 failed (exit 2): error: "
+                                                     "train.global_batch_size=16 does not divide")
+    for index in range(3):
+        assert json.loads((folder / f"trial-00{index}" / "summary.json").read_text())[
+            "status"] == "done"
+    assert not (folder / "trial-003").exists()  # a launch that failed leaves no run folder
+
+    again = run(command, timeout=600)
+    assert again.returncode == 1 and "3 finished before, 1 to run" in again.stdout, again.stdout
+    launches = {path.stem: path.read_text().count(sweep.LAUNCH_MARK)
+                for path in (folder / "logs").iterdir()}
+    assert launches == {"trial-000": 1, "trial-001": 1, "trial-002": 1, "trial-003": 2}
+
+    with open(folder / "summary.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["status"] for row in rows] == ["finished"] * 3 + ["failed"]
+    best = [float(row["best"]) for row in rows[:3]]
+    assert best == sorted(best, reverse=True) and rows[0]["metric"] == "val_accuracy"
+    assert "does not divide" in rows[3]["error"]
+    assert (folder / "summary.md").read_text().count("| trial-") == 4
+    assert matplotlib.image.imread(folder / "summary.png").shape[0] > 100
+
+    # Each trial is an ordinary run: its curves, and report.py over two of them.
+    height, width, _ = matplotlib.image.imread(folder / "trial-000" / "curves.png").shape
+    assert width > 2 * height  # three panels side by side
+    report = run([sys.executable, "report.py", str(folder / "trial-000"),
+                  str(folder / "trial-001"), "--out", str(tmp_path / "report")])
+    assert report.returncode == 0, report.stdout
+    assert matplotlib.image.imread(tmp_path / "report" / "report.png").shape[0] > 100
+    ranked = [line.split(",")[0] for line in
+              (tmp_path / "report" / "report.csv").read_text().splitlines()[1:]]
+    by_trial = {row["trial"]: float(row["best"]) for row in rows[:3]}
+    assert ranked == sorted(["trial-000", "trial-001"], key=lambda t: -by_trial[t])
+    missing = run([sys.executable, "report.py", str(tmp_path / "nowhere")])
+    assert missing.returncode == 2 and missing.stdout.count("error:") == 1
