@@ -1,7 +1,9 @@
 """A baked project passes its own test suite and lints clean, as a user would run them.
 
 The template's marker expression carries over: `-m "not slow"` (the quick tier) runs the baked
-suite's quick tests only."""
+suite's quick tests only. The baked suite runs its test files in two pytest-xdist workers (one
+per core of a CI machine): much of a multi-process test's time is one process starting up while
+the other core idles."""
 
 import sys
 
@@ -15,7 +17,8 @@ def test_baked_project_suite_and_lint(cookies, request):
     lint = run([sys.executable, "-m", "ruff", "check", "."], cwd=project, timeout=120)
     assert lint.returncode == 0, lint.stdout
     markers = request.config.getoption("markexpr")
-    suite = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                 *(["-m", markers] if markers else [])], cwd=project, timeout=1800)
+    suite = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+                 "--dist", "loadfile", *(["-m", markers] if markers else [])], cwd=project,
+                timeout=1800)
     assert suite.returncode == 0, suite.stdout
     assert " passed" in suite.stdout and "failed" not in suite.stdout

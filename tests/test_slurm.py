@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -119,3 +120,39 @@ def test_sbatch_preempted_requeues_itself_and_finishes_as_if_uninterrupted(
     assert resumed.keys() == expected.keys()
     assert all(torch.equal(resumed[k], expected[k]) for k in expected)
     assert epoch_records(run_dir) == epoch_records(tmp_path / "reference")
+
+
+def test_a_sweep_runs_as_a_job_array_and_its_summary_ranks_the_trials(cluster, cookies,
+                                                                      tmp_path):
+    baked = cookies.bake(extra_context={"scheduler": "slurm"})
+    assert baked.exit_code == 0, baked.exception
+    project = baked.project_path
+    short = [*ARGS, "train.epochs=2", "eval.batch_size=64"]
+    # One process and one of the node's two GPUs per trial: SLURM runs both elements at once.
+    submitted = run([sys.executable, "sweep.py", "--slurm", "--name", "lr", "--out", tmp_path,
+                     "--nproc", "1", "--cpus-per-task", "2", "optim.lr=0.01,0.03", *short],
+                    cwd=project, timeout=120, **cluster)
+    assert submitted.returncode == 0, submitted.stdout
+    job = re.search(r"submitted job array (\d+)", submitted.stdout)
+    assert job, submitted.stdout
+    env = command_env(**cluster)
+    folder = tmp_path / "lr"
+
+    def finished(index: int) -> bool:
+        summary = folder / f"trial-00{index}" / "summary.json"
+        return summary.is_file() and json.loads(summary.read_text())["status"] == "done"
+
+    def ended(index: int) -> bool:
+        return job_state(f"{job[1]}_{index}", env).get("JobState") == "COMPLETED"
+
+    wait(lambda: ended(0) and ended(1), "both array elements to complete", 300, job[1], env,
+         project)
+    assert finished(0) and finished(1)
+    summary = run([sys.executable, "sweep.py", "--summary", folder], cwd=project, timeout=120)
+    assert summary.returncode == 0, summary.stdout
+    rows = (folder / "summary.csv").read_text().splitlines()
+    assert len(rows) == 3 and all(",finished," in row for row in rows[1:])
+    again = run([sys.executable, "sweep.py", "--slurm", "--name", "lr", "--out", tmp_path,
+                 "--nproc", "1", "--cpus-per-task", "2", "optim.lr=0.01,0.03", *short],
+                cwd=project, timeout=120, **cluster)
+    assert again.returncode == 0 and "every trial finished" in again.stdout, again.stdout

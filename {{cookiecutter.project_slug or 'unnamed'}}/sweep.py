@@ -4,6 +4,7 @@
     python sweep.py --random 8 optim.lr=loguniform(1e-4,1e-2) model.dropout=0,0.1,0.2
     python sweep.py --nproc 2 --name lr-scan optim.lr=1e-3,3e-3 train.epochs=50
     python sweep.py --slurm optim.lr=1e-3,3e-3                          # a SLURM job array
+    python sweep.py --optuna 20 optim.lr=loguniform(1e-4,1e-2) model.hidden_dim=128,256
 
 An override with a comma (or a range, for --random) is swept; one without is set in every
 trial. Each trial runs `./run.sh <its overrides> run.dir=<sweep>/trial-NNN` with --nproc
@@ -22,9 +23,15 @@ metric against each swept setting). Running the same command again (same --name)
 the trials that did not finish: the failed ones, and those a crash or preemption cut short
 (they continue from their checkpoints). A failing trial is reported with its one-line error;
 the others go on. The exit status is 0 when every trial finished, 1 otherwise.
+
+With --optuna N, Optuna (TPE, study in <sweep>/optuna.db) picks each trial's settings from the
+lists and ranges, hears every epoch's headline validation value, and stops a trial whose value
+falls below the median of earlier trials at the same epoch (median pruning: the trial gets
+SIGTERM, saves a checkpoint and leaves). Rerunning continues the study up to N trials.
 """
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -36,7 +43,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import report
@@ -128,6 +135,7 @@ class Sweep:
     fixed: list[str]  # overrides of every trial
     nproc: int
     config_file: str = ""
+    pruned: list[int] = field(default_factory=list)  # Optuna: trials stopped early on purpose
 
     def overrides(self, index: int) -> list[str]:
         args = [f"--config={self.config_file}"] if self.config_file else []
@@ -150,7 +158,7 @@ class Sweep:
     def save(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         plan = {"trials": self.trials, "fixed": self.fixed, "nproc": self.nproc,
-                "config_file": self.config_file}
+                "config_file": self.config_file, "pruned": self.pruned}
         (self.folder / PLAN_FILE).write_text(json.dumps(plan, indent=1) + "\n")
 
     @classmethod
@@ -159,7 +167,8 @@ class Sweep:
             plan = json.loads((folder / PLAN_FILE).read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise UserError(f"{folder} is not a sweep folder ({error})") from None
-        return cls(folder, plan["trials"], plan["fixed"], plan["nproc"], plan["config_file"])
+        return cls(folder, plan["trials"], plan["fixed"], plan["nproc"], plan["config_file"],
+                   plan.get("pruned", []))
 
 
 def open_sweep(args) -> Sweep:
@@ -339,6 +348,7 @@ while IFS= read -r line; do
 done < <("${PYTHON:-python3}" sweep.py --trial-args @QUOTED_FOLDER@ "$SLURM_ARRAY_TASK_ID")
 
 export NPROC_PER_NODE=@NPROC@
+export NNODES=1  # a trial is one node's job, whatever the project's default
 export RDZV_ID="$SLURM_JOB_ID"  # each element has its own job id, kept when requeued
 status=0
 srun --kill-on-bad-exit=1 ./run.sh "${trial_args[@]}" || status=$?
@@ -385,6 +395,132 @@ def submit_array(sweep: Sweep, args) -> int:
     return 0
 
 
+# --- Optuna ------------------------------------------------------------------------------------
+
+def task_direction(sweep: Sweep) -> str:
+    """maximize or minimize: what the task's headline metric wants (the data is built to know
+    the task, as training does)."""
+    from config import load_config
+    from data import build_splits
+    from tasks import build_task
+
+    argv = ([f"--config={sweep.config_file}"] if sweep.config_file else []) + sweep.fixed
+    cfg = load_config(argv)
+    task = build_task(cfg, build_splits(cfg))
+    return "maximize" if task.higher_is_better else "minimize"
+
+
+def _suggest(trial, key: str, spec) -> str:
+    if isinstance(spec, list):
+        return trial.suggest_categorical(key, spec)
+    kind, low, high = spec
+    if kind == "int":
+        return str(trial.suggest_int(key, math.ceil(low), math.floor(high)))
+    return f"{trial.suggest_float(key, low, high, log=kind == 'loguniform'):.6g}"
+
+
+def _new_epochs(run_dir: Path, seen: int) -> list[dict]:
+    """Records of metrics.jsonl after the first `seen` (a line being written is left out)."""
+    try:
+        text = (run_dir / "metrics.jsonl").read_text()
+    except OSError:
+        return []
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+    return [json.loads(line) for line in lines[seen:]]
+
+
+def run_optuna(sweep: Sweep, space: dict, n_trials: int, devices: list[str], storage: str,
+               direction: str, seed: int = 0, start=None, wait_step=None,
+               prune_after: int = 2) -> None:
+    """Ask Optuna for trials, run them (packed like the grid), report each epoch's headline
+    validation value, and stop a trial the pruner gives up on (SIGTERM: it saves a checkpoint
+    and leaves, as when preempted). The study lives in `storage`: a rerun continues it until
+    `n_trials` have finished or been pruned; a trial the last run left unfinished is marked
+    failed and its settings are tried again first, as a new trial from step 0."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        study_name=sweep.folder.name, storage=storage, load_if_exists=True,
+        direction=direction, sampler=optuna.samplers.TPESampler(seed=seed),
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=prune_after, n_warmup_steps=0))
+    states = optuna.trial.TrialState
+    start = start or (lambda index, block: start_trial(sweep, index, block, 1))
+    for left in study.get_trials(deepcopy=False, states=(states.RUNNING,)):
+        study.tell(left.number, state=states.FAIL)
+        study.enqueue_trial(left.params)
+    counted = sum(t.state in (states.COMPLETE, states.PRUNED)
+                  for t in study.get_trials(deepcopy=False))
+    key = None  # the headline metric's key in metrics.jsonl, from the first summary.json
+    pool, slots = DevicePool(devices), (len(devices) // sweep.nproc if devices else 1)
+    running: dict[int, dict] = {}
+
+    def launch(trial) -> bool:
+        block = pool.take(sweep.nproc) if devices else []
+        if block is None:
+            return False
+        params = {k: _suggest(trial, k, spec) for k, spec in space.items()}
+        while len(sweep.trials) <= trial.number:
+            sweep.trials.append({})
+        sweep.trials[trial.number] = params
+        sweep.save()
+        print(f"{trial_id(trial.number)} started: "
+              + " ".join(f"{k}={v}" for k, v in params.items()), flush=True)
+        running[trial.number] = {"trial": trial, "process": start(trial.number, block),
+                                 "block": block, "seen": 0, "pruning": False}
+        return True
+
+    while counted + len(running) < n_trials or running:
+        while len(running) < slots and counted + len(running) < n_trials:
+            if (devices and len(pool.free) < sweep.nproc) or not launch(study.ask()):
+                break
+        for number, job in list(running.items()):
+            run_dir = sweep.run_dir(number)
+            if key is None and (run_dir / report.SUMMARY_FILE).is_file():
+                with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
+                    key = "val_" + json.loads((run_dir / report.SUMMARY_FILE).read_text())[
+                        "headline"]
+            for record in _new_epochs(run_dir, job["seen"]):
+                job["seen"] += 1
+                value = record.get(key) if key else None
+                if value is None or job["pruning"]:
+                    continue
+                job["trial"].report(value, step=record["epoch"])
+                if job["trial"].should_prune():
+                    job["pruning"] = True
+                    print(f"{trial_id(number)} pruned at epoch {record['epoch']} "
+                          f"({key} {value:.4g})", flush=True)
+                    job["process"].send_signal(signal.SIGTERM)  # it saves and leaves
+            status = job["process"].poll()
+            if status is None:
+                continue
+            pool.give(job["block"])
+            del running[number]
+            if job["pruning"]:
+                study.tell(job["trial"], state=states.PRUNED)
+                sweep.pruned.append(number)
+                sweep.save()
+                counted += 1
+            elif status == 0 and sweep.finished(number):
+                best = report.read_run(sweep.run_dir(number)).best()
+                study.tell(job["trial"], best)
+                counted += 1
+                print(f"{trial_id(number)} finished: {key} {best}", flush=True)
+            else:
+                study.tell(job["trial"], state=states.FAIL)
+                print(f"{trial_id(number)} failed (exit {status}): "
+                      f"{error_line(sweep.log_file(number))}", flush=True)
+                if not sweep.run_dir(number).is_dir():  # failed at launch: fixing it is yours
+                    raise UserError(f"{trial_id(number)} could not start, so no other will: "
+                                    f"{error_line(sweep.log_file(number))}")
+        if running:
+            (wait_step or (lambda: time.sleep(0.5)))()
+    best = study.best_trial if any(t.state == states.COMPLETE for t in study.trials) else None
+    if best is not None:
+        print(f"best: {trial_id(best.number)} {key or 'value'} {best.value:.4g} "
+              + " ".join(f"{k}={v}" for k, v in best.params.items()), flush=True)
+
+
 # --- the summary ------------------------------------------------------------------------------
 
 def write_summary(sweep: Sweep) -> int:
@@ -395,8 +531,10 @@ def write_summary(sweep: Sweep) -> int:
         history = report.read_run(run_dir) if run_dir.is_dir() else None
         if history is not None:
             runs.append((settings, history))
-        row = {"trial": trial_id(index), **settings,
-               "status": "finished" if sweep.finished(index) else "failed",
+        status = "finished" if sweep.finished(index) else "failed"
+        if index in sweep.pruned:
+            status = "pruned"
+        row = {"trial": trial_id(index), **settings, "status": status,
                "metric": f"val_{history.headline}" if history else None,
                "best": history.best() if history else None,
                "last": (history.val_values() or [None])[-1] if history else None}
@@ -409,7 +547,7 @@ def write_summary(sweep: Sweep) -> int:
     png = plot_sweep(sweep, runs, sweep.folder / "summary.png")
     print(report.markdown_table(rows), end="")
     print(f"wrote {', '.join(str(path) for path in [*tables, png])}")
-    return 0 if all(row["status"] == "finished" for row in rows) else 1
+    return 0 if all(row["status"] in ("finished", "pruned") for row in rows) else 1
 
 
 def _number(text: str) -> float | None:
@@ -469,6 +607,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "all visible); empty: run on CPU, one trial at a time")
     parser.add_argument("--max-parallel", type=int, default=0,
                         help="at most this many trials at once (default: as the GPUs allow)")
+    parser.add_argument("--optuna", type=int, default=0, metavar="N",
+                        help="N trials chosen by Optuna (TPE), pruned on the validation metric")
+    parser.add_argument("--storage", default="", help="--optuna: the study's storage "
+                        "(default sqlite:///<sweep>/optuna.db)")
+    parser.add_argument("--direction", default="auto", choices=("auto", "maximize", "minimize"),
+                        help="--optuna: auto follows the task's headline metric")
     parser.add_argument("--slurm", action="store_true", help="submit a SLURM job array")
     parser.add_argument("--dry-run", action="store_true", help="--slurm: write, do not submit")
     parser.add_argument("--time", default="24:00:00", help="--slurm: time limit per trial")
@@ -477,6 +621,33 @@ def build_parser() -> argparse.ArgumentParser:
                         help="only write the summary of the sweep folder SWEEP")
     parser.add_argument("--trial-args", nargs=2, metavar=("SWEEP", "N"), help=argparse.SUPPRESS)
     return parser
+
+
+def optuna_main(args) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("optuna") is None:
+        raise UserError("--optuna needs the optuna package: pip install -e '.[optuna]'")
+    if args.slurm or args.random:
+        raise UserError("--optuna chooses the trials itself: drop --slurm / --random")
+    space, fixed = parse_space(args.overrides, random_search=True)
+    folder = args.out / args.name
+    sweep = Sweep.load(folder) if (folder / PLAN_FILE).is_file() else Sweep(
+        folder, [], fixed, args.nproc, args.config or "")
+    if (sweep.fixed, sweep.nproc) != (fixed, args.nproc):
+        raise UserError(f"{folder} holds a sweep with other settings: rerun its own command "
+                        "to continue it, or choose another --name")
+    sweep.save()
+    devices = visible_devices() if args.gpus is None else [
+        d for d in args.gpus.split(",") if d.strip()]
+    direction = task_direction(sweep) if args.direction == "auto" else args.direction
+    storage = args.storage or f"sqlite:///{folder / 'optuna.db'}"
+    print(f"sweep {folder}: Optuna, {args.optuna} trial(s), {direction} the validation "
+          f"metric, study in {storage}", flush=True)
+    threads = max(1, (os.cpu_count() or 1) // max(1, len(devices) or sweep.nproc))
+    run_optuna(sweep, space, args.optuna, devices, storage, direction, args.seed,
+               start=lambda index, block: start_trial(sweep, index, block, threads))
+    return write_summary(sweep)
 
 
 def main(argv: list[str]) -> int:
@@ -494,6 +665,8 @@ def main(argv: list[str]) -> int:
             raise UserError(f"--random {args.random} is not valid: a number of trials, >= 1")
         args.out = args.out if args.out.is_absolute() else PROJECT_DIR / args.out
         args.name = args.name or time.strftime("sweep-%Y%m%d-%H%M%S")
+        if args.optuna:
+            return optuna_main(args)
         sweep = open_sweep(args)
         if args.slurm:
             return submit_array(sweep, args)

@@ -24,7 +24,7 @@ from checkpoint import read_model
 from conftest import TINY, TINY_SPLIT, fixture, only_run_dir, run, torchrun
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [3])  # 228 train samples: 76 each, uneven eval shards
 def test_each_rank_sees_its_own_shard(tmp_path, world_size):
     result = torchrun(world_size, "tests/probes.py", "shards", str(tmp_path), *TINY)
     assert result.returncode == 0, result.stdout
@@ -176,9 +176,10 @@ def test_binary_evaluates_exactly(tmp_path):
     # Scores from 3 processes against 1 process's: the same model, but float32 matmuls over
     # other batch compositions round differently (a few 1e-7 relative).
     np.testing.assert_allclose(curves["pr"]["thresholds"], thresholds, rtol=1e-5, atol=1e-12)
-    # The decision threshold is the best-F1 one of the val split, applied to the test split.
-    val = evaluate_with(run_dir, tmp_path / "val", 1, "eval.split=val")["metrics"]
-    assert metrics["threshold"] == val["threshold"]
+    # The decision threshold is the best-F1 one of the val split (as the last epoch's validation
+    # found it for the final model), applied to the test split.
+    last_epoch = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert metrics["threshold"] == pytest.approx(last_epoch["val_threshold"], rel=1e-6)
     predicted = scores >= metrics["threshold"]
     assert metrics["f1"] == pytest.approx(f1_score(labels, predicted), abs=1e-12)
     assert metrics["precision"] == pytest.approx(precision_score(labels, predicted), abs=1e-12)
@@ -282,7 +283,8 @@ def check_equivalence(workdir, *args: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("nproc", "accum"), [(2, 1), (1, 2), (2, 2)])
+# (2 processes without accumulation: test_experiments.py checks the default config so.)
+@pytest.mark.parametrize(("nproc", "accum"), [(2, 2)])
 def test_equivalence_check_passes_for_the_default_model(equivalence_dir, nproc, accum):
     result = check_equivalence(equivalence_dir, "--nproc", str(nproc), "--accum", str(accum))
     assert result.returncode == 0, result.stdout
@@ -300,13 +302,24 @@ def test_equivalence_check_catches_plain_batchnorm(equivalence_dir):
     assert synced.returncode == 0, synced.stdout
 
 
+# Runs a script and prints, at its exit, which of the optional packages it imported.
+IMPORTS_PROBE = ("import atexit, runpy, sys\n"
+                 "atexit.register(lambda: print('IMPORTED', sorted(m for m in ('mlflow', "
+                 "'wandb', 'optuna') if m in sys.modules)))\n"
+                 "sys.argv = sys.argv[1:]\n"
+                 "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
 def test_single_process_python_train(tmp_path, tiny_args):
-    result = run([sys.executable, "train.py", *tiny_args])
+    # (Trackers and Optuna are off by default: neither training nor evaluation imports them.)
+    result = run([sys.executable, "-c", IMPORTS_PROBE, "train.py", *tiny_args])
     assert result.returncode == 0, result.stdout
     assert "1 process(es) on cpu, backend none" in result.stdout
+    assert "IMPORTED []" in result.stdout
     run_dir = only_run_dir(tmp_path / "runs")
-    result = run([sys.executable, "evaluate.py", f"eval.checkpoint={run_dir}"])
-    assert result.returncode == 0, result.stdout
+    result = run([sys.executable, "-c", IMPORTS_PROBE, "evaluate.py",
+                  f"eval.checkpoint={run_dir}"])
+    assert result.returncode == 0 and "IMPORTED []" in result.stdout, result.stdout
     assert json.loads((run_dir / "eval-test" / "metrics.json").read_text())["accuracy"] > 0.8
 
 

@@ -21,8 +21,8 @@ def equivalence_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("equivalence-fsdp")
 
 
-# 2 and 3 processes; without, and with, gradient accumulation and clipping.
-@pytest.mark.parametrize(("nproc", "accum", "clip"), [(2, 1, 0), (3, 2, 0.5)])
+# 3 processes (uneven shards of some parameters), accumulation and clipping: the hardest case.
+@pytest.mark.parametrize(("nproc", "accum", "clip"), [(3, 2, 0.5)])
 def test_fsdp_trains_like_one_process(equivalence_dir, nproc, accum, clip):
     result = check_equivalence(equivalence_dir, "--strategy", "fsdp", "--nproc", str(nproc),
                                "--accum", str(accum), f"optim.grad_clip={clip}")

@@ -125,3 +125,62 @@ def test_a_grid_of_two_process_trials_survives_a_bad_one_reruns_it_alone_and_ran
     assert ranked == sorted(["trial-000", "trial-001"], key=lambda t: -by_trial[t])
     missing = run([sys.executable, "report.py", str(tmp_path / "nowhere")])
     assert missing.returncode == 2 and missing.stdout.count("error:") == 1
+
+
+class PretendRun:
+    """A trial that writes one epoch of metrics.jsonl per poll (val_accuracy `value`) and ends
+    after `epochs`; SIGTERM makes it leave at the next poll with the preempted status, 75."""
+
+    def __init__(self, run_dir, value, epochs=3):
+        self.run_dir, self.value, self.epochs, self.written, self.signals = (
+            run_dir, value, epochs, 0, [])
+        run_dir.mkdir(parents=True)
+        self._summary("running")
+
+    def _summary(self, status):
+        (self.run_dir / "summary.json").write_text(json.dumps(
+            {"status": status, "headline": "accuracy", "higher_is_better": True}))
+
+    def send_signal(self, signum):
+        self.signals.append((signum, self.written))
+
+    def poll(self):
+        if self.signals:
+            self._summary("preempted")
+            return 75
+        if self.written == self.epochs:
+            self._summary("done")
+            return 0
+        self.written += 1
+        with open(self.run_dir / "metrics.jsonl", "a") as handle:
+            handle.write(json.dumps({"epoch": self.written, "step": 10 * self.written,
+                                     "val_accuracy": self.value}) + "\n")
+        return None
+
+
+def test_optuna_prunes_a_trial_on_its_validation_metric_and_ranks_the_rest(tmp_path):
+    optuna = pytest.importorskip("optuna", reason="the [optuna] extra is not installed")
+    space, fixed = sweep.parse_space(["optim.lr=loguniform(1e-4,1e-1)", "model.dropout=0,0.1"],
+                                     random_search=True)
+    plan = sweep.Sweep(tmp_path / "study", [], fixed, nproc=1)
+    runs = {}
+
+    def start(index, block):  # trials 0, 1 and 3 reach 0.9; trial 2 only 0.1
+        runs[index] = PretendRun(plan.run_dir(index), 0.1 if index == 2 else 0.9)
+        return runs[index]
+
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    sweep.run_optuna(plan, space, 4, [], storage, "maximize", start=start,
+                     wait_step=lambda: None)
+    study = optuna.load_study(study_name="study", storage=storage)
+    states = [trial.state.name for trial in study.trials]
+    assert states == ["COMPLETE", "COMPLETE", "PRUNED", "COMPLETE"]
+    assert runs[2].signals == [(15, 1)]  # SIGTERM after its first epoch, below the median
+    assert plan.pruned == [2] and study.best_value == 0.9
+    assert [json.loads(line)["epoch"] for line in
+            (plan.run_dir(2) / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert all(1e-4 <= float(params["optim.lr"]) <= 1e-1 for params in plan.trials)
+    assert sweep.write_summary(plan) == 0
+    with open(plan.folder / "summary.csv") as handle:
+        statuses = [row["status"] for row in csv.DictReader(handle)]
+    assert statuses == ["finished"] * 3 + ["pruned"]

@@ -83,3 +83,4 @@ def test_a_tracker_whose_server_is_down_warns_once_and_the_run_goes_on(tmp_path)
     assert len(warnings) == 1, result.stdout
     assert (only_run_dir(tmp_path) / "model.pt").is_file()
 
+
