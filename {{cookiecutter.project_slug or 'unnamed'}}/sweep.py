@@ -429,6 +429,46 @@ def _new_epochs(run_dir: Path, seen: int) -> list[dict]:
     return [json.loads(line) for line in lines[seen:]]
 
 
+def _report_epochs(job: dict, number: int, run_dir: Path, key: str | None) -> None:
+    """Report a running trial's new epochs to Optuna; SIGTERM it when the pruner says so (it
+    saves a checkpoint and leaves, as when preempted)."""
+    for record in _new_epochs(run_dir, job["seen"]):
+        job["seen"] += 1
+        value = record.get(key) if key else None
+        if value is None or job["pruning"]:
+            continue
+        job["trial"].report(value, step=record["epoch"])
+        if job["trial"].should_prune():
+            job["pruning"] = True
+            print(f"{trial_id(number)} pruned at epoch {record['epoch']} ({key} {value:.4g})",
+                  flush=True)
+            job["process"].send_signal(signal.SIGTERM)
+
+
+def _settle(study, sweep: Sweep, job: dict, number: int, status: int, key: str | None) -> int:
+    """Tell Optuna how an ended trial went; 1 if it counts towards the study's trials."""
+    import optuna
+
+    states = optuna.trial.TrialState
+    if job["pruning"]:
+        study.tell(job["trial"], state=states.PRUNED)
+        sweep.pruned.append(number)
+        sweep.save()
+        return 1
+    if status == 0 and sweep.finished(number):
+        best = report.read_run(sweep.run_dir(number)).best()
+        study.tell(job["trial"], best)
+        print(f"{trial_id(number)} finished: {key} {best}", flush=True)
+        return 1
+    study.tell(job["trial"], state=states.FAIL)
+    print(f"{trial_id(number)} failed (exit {status}): {error_line(sweep.log_file(number))}",
+          flush=True)
+    if not sweep.run_dir(number).is_dir():  # failed at launch: the fix is the user's
+        raise UserError(f"{trial_id(number)} could not start, so no other will: "
+                        f"{error_line(sweep.log_file(number))}")
+    return 0
+
+
 def run_optuna(sweep: Sweep, space: dict, n_trials: int, devices: list[str], storage: str,
                direction: str, seed: int = 0, start=None, wait_step=None,
                prune_after: int = 2) -> None:
@@ -480,39 +520,13 @@ def run_optuna(sweep: Sweep, space: dict, n_trials: int, devices: list[str], sto
                 with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
                     key = "val_" + json.loads((run_dir / report.SUMMARY_FILE).read_text())[
                         "headline"]
-            for record in _new_epochs(run_dir, job["seen"]):
-                job["seen"] += 1
-                value = record.get(key) if key else None
-                if value is None or job["pruning"]:
-                    continue
-                job["trial"].report(value, step=record["epoch"])
-                if job["trial"].should_prune():
-                    job["pruning"] = True
-                    print(f"{trial_id(number)} pruned at epoch {record['epoch']} "
-                          f"({key} {value:.4g})", flush=True)
-                    job["process"].send_signal(signal.SIGTERM)  # it saves and leaves
+            _report_epochs(job, number, run_dir, key)
             status = job["process"].poll()
             if status is None:
                 continue
             pool.give(job["block"])
             del running[number]
-            if job["pruning"]:
-                study.tell(job["trial"], state=states.PRUNED)
-                sweep.pruned.append(number)
-                sweep.save()
-                counted += 1
-            elif status == 0 and sweep.finished(number):
-                best = report.read_run(sweep.run_dir(number)).best()
-                study.tell(job["trial"], best)
-                counted += 1
-                print(f"{trial_id(number)} finished: {key} {best}", flush=True)
-            else:
-                study.tell(job["trial"], state=states.FAIL)
-                print(f"{trial_id(number)} failed (exit {status}): "
-                      f"{error_line(sweep.log_file(number))}", flush=True)
-                if not sweep.run_dir(number).is_dir():  # failed at launch: fixing it is yours
-                    raise UserError(f"{trial_id(number)} could not start, so no other will: "
-                                    f"{error_line(sweep.log_file(number))}")
+            counted += _settle(study, sweep, job, number, status, key)
         if running:
             (wait_step or (lambda: time.sleep(0.5)))()
     best = study.best_trial if any(t.state == states.COMPLETE for t in study.trials) else None
