@@ -79,6 +79,9 @@ class Writer:
 
     def _work(self) -> None:
         while (item := self.queue.get()) is not None:
+            if isinstance(item, threading.Event):  # drain(): everything before it is written
+                item.set()
+                continue
             if self.failed:
                 continue
             try:
@@ -94,6 +97,13 @@ class Writer:
                             "checkpoint that cannot be written stops it", self.run_dir, error)
         with contextlib.suppress(OSError):
             self.tensorboard.close()
+
+    def drain(self) -> None:
+        """Wait until every record queued so far is written (files, TensorBoard, trackers)."""
+        done = threading.Event()
+        self.queue.put(done)
+        while not done.wait(timeout=1.0) and self.thread.is_alive():
+            pass
 
     def close(self) -> None:
         self.queue.put(None)
@@ -222,8 +232,12 @@ class TrainingLog:
     # -- resume and output ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps: the epoch's sums so far (every window is written first)."""
+        """What a checkpoint keeps: the epoch's sums so far. Every window is written first, to
+        the files and the trackers: a job killed after the checkpoint resumes after them, so a
+        record still queued then would be lost."""
         self.write_pending()
+        if self._writer is not None:
+            self._writer.drain()
         return {"epoch_sums": dict(self.epoch_sums)}
 
     def load_state_dict(self, state: dict) -> None:

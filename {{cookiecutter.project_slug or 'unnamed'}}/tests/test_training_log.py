@@ -4,10 +4,14 @@ validation."""
 
 import json
 import sys
+import time
 
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import TINY, fixture, only_run_dir, run, torchrun
+from dist_utils import DistEnv
+from training_log import TrainingLog
 
 
 def records(path) -> list[dict]:
@@ -63,3 +67,32 @@ def test_throughput_counts_training_steps_only(tmp_path):
         assert in_epoch < epoch["train_seconds"] + previous["val_seconds"] / 2
     for epoch in epochs:
         assert abs(epoch["epoch_seconds"] - epoch["train_seconds"] - epoch["val_seconds"]) < 1e-6
+
+
+class SlowTracker:
+    """A tracker whose every call takes a while (a remote server, a busy SQLite store)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def __bool__(self):
+        return True
+
+    def log_metrics(self, metrics, step):
+        time.sleep(0.02)
+        self.steps.append(step)
+
+
+def test_a_checkpoint_waits_until_the_trackers_hold_every_window_before_it(tmp_path):
+    # A job killed right after a checkpoint resumes after it: a window still queued for the
+    # trackers or the files then would never be logged anywhere.
+    tracker = SlowTracker()
+    train_log = TrainingLog(tmp_path, DistEnv(rank=0, local_rank=0, world_size=1, launched=False),
+                            torch.device("cpu"), trackers=tracker)
+    for step in range(1, 31):
+        train_log.add_step({"loss": torch.tensor(1.0 / step)}, samples=4)
+        train_log.flush(step, lr=0.1)
+    train_log.state_dict()  # what a checkpoint at step 30 takes
+    assert tracker.steps == list(range(1, 31))
+    assert [r["step"] for r in records(tmp_path / "train_log.jsonl")] == list(range(1, 31))
+    train_log.close()
