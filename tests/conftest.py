@@ -8,6 +8,8 @@ from pathlib import Path
 
 TEMPLATE = Path(__file__).resolve().parents[1]
 UNRENDERED = re.compile(r"\{\{|\{%|\{#")
+# A block of the baked README's "Bring your own" recipe: what to do, then the fenced code.
+RECIPE_BLOCK = re.compile(r"<!-- recipe: (?P<action>.+?) -->\n```\w*\n(?P<body>.*?)```", re.S)
 
 
 def command_env(**extra: str) -> dict:
@@ -31,3 +33,26 @@ def unrendered_files(project: Path) -> list[str]:
         if path.is_file() and UNRENDERED.search(path.read_text(errors="replace")):
             found.append(str(path.relative_to(project)))
     return found
+
+
+def recipe_blocks(project: Path) -> list[tuple[str, str]]:
+    """The recipe's blocks in the project's README, in order: (action, body) pairs."""
+    return RECIPE_BLOCK.findall((project / "README.md").read_text())
+
+
+def apply_edit(project: Path, action: str, body: str) -> None:
+    """Apply one file edit of the recipe, literally: `create FILE`, `append FILE` or
+    `insert FILE after "LINE"` (LINE: a whole line of the file, its indentation included)."""
+    verb, _, rest = action.partition(" ")
+    name, _, anchor = rest.partition(" after ")
+    path = project / name
+    if verb == "create":
+        path.write_text(body)
+    elif verb == "append":
+        path.write_text(path.read_text().rstrip("\n") + "\n\n\n" + body)
+    elif verb == "insert":
+        lines = path.read_text().splitlines(keepends=True)
+        at = next(i for i, line in enumerate(lines) if line.rstrip() == anchor.strip('"'))
+        path.write_text("".join(lines[:at + 1]) + body + "".join(lines[at + 1:]))
+    else:
+        raise AssertionError(f"unknown recipe action {action!r}")

@@ -20,7 +20,8 @@ EXPECTED_FILES = {
     "tests/test_speed.py", "splits.py", "tests/test_experiments.py", "tests/test_training_log.py",
     "tests/test_cluster.py", "tests/stall_at_step.py", "tests/preempt_in_validation.py",
     "tests/test_fsdp.py", "tests/reshard_probe.py", "report.py", "sweep.py", "trackers.py",
-    "tests/test_sweep.py", "tests/test_tracking.py",
+    "tests/test_sweep.py", "tests/test_tracking.py", "builtin_datasets.py", "builtin_models.py",
+    "builtin_tasks.py", "settings.py", "flops.py", "profiling.py",
 }
 
 

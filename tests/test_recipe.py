@@ -5,43 +5,29 @@ evaluation is identical on 1, 2 and 3, and equal to scikit-learn's."""
 
 import filecmp
 import json
-import re
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run
+from conftest import apply_edit, recipe_blocks, run
 from sklearn.metrics import average_precision_score, precision_recall_curve, roc_auc_score
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.slow  # the quick tier (-m 'not slow') skips these
 
-BLOCK = re.compile(r"<!-- recipe: (?P<action>.+?) -->\n```\w*\n(?P<body>.*?)```", re.S)
-# The recipe's own files, and what its commands write (data, runs).
-RECIPE_FILES = {"data_sources.py", "model.py", "tasks.py", "config.py", "configs/default.yaml",
-                "configs/my_scans.yaml"}
+# The recipe's own files (all of them the user's: none is the template's), and what its
+# commands write (data, runs).
+RECIPE_FILES = {"data_sources.py", "model.py", "tasks.py", "settings.py", "configs/my_scans.yaml"}
 
 
 def apply(project: Path, action: str, body: str, outputs: list) -> None:
-    verb, _, rest = action.partition(" ")
-    if verb == "run":
-        result = run(["bash", "-euo", "pipefail", "-c", body], cwd=project, NPROC_PER_NODE="3")
-        assert result.returncode == 0, f"{body}\n{result.stdout}"
-        outputs.append(result.stdout)
+    if action != "run":
+        apply_edit(project, action, body)
         return
-    name, _, anchor = rest.partition(" after ")
-    path = project / name
-    if verb == "create":
-        path.write_text(body)
-    elif verb == "append":
-        path.write_text(path.read_text().rstrip("\n") + "\n\n\n" + body)
-    elif verb == "insert":
-        lines = path.read_text().splitlines(keepends=True)
-        at = next(i for i, line in enumerate(lines) if line.rstrip() == anchor.strip('"'))
-        path.write_text("".join(lines[:at + 1]) + body + "".join(lines[at + 1:]))
-    else:
-        raise AssertionError(f"unknown recipe action {action!r}")
+    result = run(["bash", "-euo", "pipefail", "-c", body], cwd=project, NPROC_PER_NODE="3")
+    assert result.returncode == 0, f"{body}\n{result.stdout}"
+    outputs.append(result.stdout)
 
 
 def changed_files(fresh: Path, edited: Path) -> set[str]:
@@ -69,7 +55,7 @@ def applied(tmp_path_factory):
     root = tmp_path_factory.mktemp("recipe")
     fresh = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(root / "fresh")))
     project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(root / "edited")))
-    blocks = BLOCK.findall((project / "README.md").read_text())
+    blocks = recipe_blocks(project)
     assert len(blocks) >= 8, blocks
     outputs: list[str] = []
     for action, body in blocks:

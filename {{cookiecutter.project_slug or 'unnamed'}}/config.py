@@ -17,6 +17,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from settings import DataSettings, ModelSettings, TaskSettings
+
 PROJECT_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG_FILE = PROJECT_DIR / "configs" / "default.yaml"
 
@@ -36,10 +38,12 @@ class RunConfig:
     seed: int = 0  # model init and data order; the same on every rank
 
 
+# The data, model and task sections extend your classes in settings.py (yours; template updates
+# skip it): a field declared there is a setting of that section like the ones below.
 @dataclass
-class DataConfig:
-    # A key of datasets.DATASETS (digits, digits_files, synthetic, images, breast_cancer,
-    # diabetes, or yours), or module:function for a builder in another module.
+class DataConfig(DataSettings):
+    # A key of DATASETS: digits, digits_files, synthetic, images, breast_cancer, diabetes, or
+    # yours (data_sources.py); or module:function for a builder in another module.
     dataset: str = "digits"
     root: str = ""  # where a dataset read from disk lives ("": the dataset's own default)
     augment: bool = True  # training-split augmentation, for datasets that have one
@@ -55,7 +59,7 @@ class DataConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(ModelSettings):
     name: str = "mlp"  # a key of model.MODELS: mlp (any input) | cnn (image inputs)
     hidden_dim: int = 256  # mlp: width of the hidden layers
     channels: int = 32  # cnn: channels of the first convolution (doubling in each later one)
@@ -66,7 +70,7 @@ class ModelConfig:
 
 
 @dataclass
-class TaskConfig:
+class TaskConfig(TaskSettings):
     # What is predicted and how it is scored: a key of tasks.TASKS (multiclass, binary,
     # regression, or yours) or module:Class; "": the task the dataset is made for.
     name: str = ""
@@ -96,6 +100,26 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda when available) | cuda | cpu
     progress_bar: bool = True  # tqdm bar on rank 0 when attached to a terminal
     plot_curves: bool = True  # rank 0 draws <run>/curves.png (loss, metric, lr) at the end
+    # A smoke test in seconds: 2 training steps, a checkpoint, 1 validation and 1 test batch on
+    # every rank, in a temporary folder removed at the end; prints ok or the first error
+    fast_dev_run: bool = False
+    # Shorter epochs for short real runs: N >= 1 a number of batches, 0 < f < 1 a fraction of
+    # them, 0 all. Training: global batches (optimizer steps) per epoch; validation: batches of
+    # eval.batch_size per rank (its metrics are then those of the part seen)
+    limit_train_batches: float = 0.0
+    limit_val_batches: float = 0.0
+
+
+@dataclass
+class ProfileConfig:
+    # torch.profiler over a few training steps: one trace per rank in <run>/profile/ (TensorBoard
+    # or https://ui.perfetto.dev), and the top operations printed by rank 0
+    enabled: bool = False
+    start_step: int = 10  # the first step recorded (the step before it warms the profiler up)
+    steps: int = 5  # steps recorded
+    memory: bool = True  # tensor allocations and frees (the memory view)
+    with_stack: bool = True  # the Python stack of every operation (larger traces)
+    top_ops: int = 15  # rows of the table printed at the end
 
 
 @dataclass
@@ -117,6 +141,10 @@ class DDPConfig:
     find_unused_parameters: bool = False  # needed only if forward skips some parameters
     static_graph: bool = False  # same used parameters every step: lets DDP optimise
     gradient_as_bucket_view: bool = True  # gradients alias DDP's buckets: saves a copy
+    # PyTorch's distributed debug mode for this run (TORCH_DISTRIBUTED_DEBUG=INFO, or DETAIL if
+    # the environment sets it): DDP names the parameters that got no gradient and logs its
+    # set-up and timing statistics
+    debug: bool = False
 
 
 @dataclass
@@ -161,6 +189,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -184,6 +213,7 @@ POSITIVE = (
     "model.channels",
     "optim.lr",
     "train.epochs", "train.global_batch_size", "train.grad_accum_steps", "train.log_every",
+    "profile.start_step", "profile.steps", "profile.top_ops",
     "ddp.timeout_minutes", "task.pos_weight",
     "eval.batch_size", "eval.plot_classes",
 )
@@ -191,6 +221,7 @@ NON_NEGATIVE = (
     "data.num_workers", "model.num_layers", "optim.weight_decay", "optim.warmup_steps",
     "optim.grad_clip",
     "train.ckpt_every", "train.max_steps", "train.keep_checkpoints", "eval.binned_thresholds",
+    "train.limit_train_batches", "train.limit_val_batches",
 )
 TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string",
               bool | None: "true, false or null (null: chosen automatically)"}
@@ -297,6 +328,11 @@ def _check_values(cfg: DictConfig, world_size: int | None) -> None:
                         "scaler is not shard-aware): use speed.precision=bf16 or fp32")
     if cfg.eval.curve_points < 2:
         raise UserError(f"eval.curve_points={cfg.eval.curve_points} is not valid: it must be >= 2")
+    for key in ("train.limit_train_batches", "train.limit_val_batches"):
+        value = OmegaConf.select(cfg, key)
+        if value >= 1 and value != int(value):
+            raise UserError(f"{key}={value} is not valid: give a whole number of batches, a "
+                            "fraction below 1, or 0 for all of them")
     if world_size is not None:
         check_batch_divides(cfg, world_size)
 

@@ -24,11 +24,12 @@ from torch.utils.data import (
     Dataset,
     DistributedSampler,
     Sampler,
+    Subset,
     TensorDataset,
 )
 
+from builtin_datasets import DATASETS
 from config import UserError, lookup
-from data_sources import DATASETS
 from dist_utils import DistEnv
 from splits import Splits
 
@@ -102,8 +103,19 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
+def limited(setting: float, total: int) -> int:
+    """How many of `total` batches a train.limit_*_batches setting keeps: all for 0, N for a
+    whole number N, a fraction for 0 < f < 1 (at least one)."""
+    if not setting:
+        return total
+    if setting >= 1:
+        return min(int(setting), total)
+    return max(1, int(total * setting))
+
+
 def build_splits(cfg: DictConfig) -> Splits:
-    """The splits of `data.dataset`: a key of data_sources.DATASETS, or module:function."""
+    """The splits of `data.dataset`: a key of DATASETS (built in, or added
+    in data_sources.py), or module:function."""
     builder = lookup(DATASETS, cfg.data.dataset, "data.dataset", "a dataset")
     splits = builder(cfg.data)
     if not isinstance(splits, Splits):
@@ -137,7 +149,7 @@ class DataModule:
         # No shuffle=True here: the sampler shuffles; a DataLoader refuses both.
         self.train_loader = self._loader(self.datasets["train"], self.micro_batch_size,
                                          self.train_sampler)
-        self._eval_loaders: dict[str, DataLoader] = {}
+        self._eval_loaders: dict[tuple, DataLoader] = {}
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Sampler) -> DataLoader:
         """A DataLoader giving `sampler`'s indices in batches of `batch_size` (the last may be
@@ -168,8 +180,10 @@ class DataModule:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Optimizer steps per epoch (a last, smaller step takes what is left)."""
-        return math.ceil(self.train_sampler.num_samples / self.batch_size_per_rank)
+        """Optimizer steps per epoch (a last, smaller step takes what is left), or fewer with
+        train.limit_train_batches."""
+        steps = math.ceil(self.train_sampler.num_samples / self.batch_size_per_rank)
+        return limited(self.cfg.train.limit_train_batches, steps)
 
     @property
     def full_steps_per_epoch(self) -> int:
@@ -192,20 +206,31 @@ class DataModule:
 
     def train_steps(self, epoch: int, skip_steps: int = 0):
         """The micro-batches of each optimizer step of `epoch`: lists of grad_accum_steps
-        batches, fewer for a last, partial step."""
+        batches, fewer for a last, partial step. Ends after steps_per_epoch steps."""
         step: list = []
+        left = self.steps_per_epoch - skip_steps
         for batch in self.train_batches(epoch, skip_steps):
             step.append(batch)
             if len(step) == self.grad_accum_steps:
                 yield step
-                step = []
+                step, left = [], left - 1
+                if left <= 0:
+                    return
         if step:
             yield step
 
-    def eval_loader(self, split: str) -> DataLoader:
-        """This rank's shard of `split` ("val" or "test"), each sample on exactly one rank."""
-        if split not in self._eval_loaders:  # kept: its workers persist between evaluations
+    def eval_loader(self, split: str, limit: float = 0.0) -> DataLoader:
+        """This rank's shard of `split` ("val" or "test"), each sample on exactly one rank.
+        With `limit` (as train.limit_val_batches), only the split's first samples: that many
+        batches of eval.batch_size on every rank, or that fraction of the split."""
+        key = (split, limit)
+        if key not in self._eval_loaders:  # kept: its workers persist between evaluations
             dataset = self.datasets[split]
+            if limit:
+                batch, size = self.cfg.eval.batch_size, len(dataset)
+                keep = (min(size, int(limit) * batch * self.env.world_size) if limit >= 1
+                        else max(1, int(size * limit)))
+                dataset = Subset(dataset, range(keep))
             sampler = EvalShardSampler(len(dataset), self.env.world_size, self.env.rank)
-            self._eval_loaders[split] = self._loader(dataset, self.cfg.eval.batch_size, sampler)
-        return self._eval_loaders[split]
+            self._eval_loaders[key] = self._loader(dataset, self.cfg.eval.batch_size, sampler)
+        return self._eval_loaders[key]

@@ -12,6 +12,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -248,8 +249,8 @@ def _world_size_given() -> int:
 
 
 def _tell_run_sh(status: str) -> None:
-    """Tell run.sh how the job ended (its status file): `error: <message>`, `preempted` or
-    `stalled`. run.sh exits 2, 75 or 1 for them, whatever torchrun returns."""
+    """Tell run.sh how the job ended (its status file): `error: <message>`, `preempted`,
+    `stalled` or `failed`. run.sh exits 2, 75, 1 or 1 for them, whatever torchrun returns."""
     status_file = os.environ.get("RUN_SH_STATUS_FILE")
     if status_file:
         Path(status_file).write_text(status + "\n")
@@ -418,6 +419,42 @@ class Watchdog(threading.Thread):
 
 
 UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
+_SMOKE_TEST = False  # set by no_retries(): a failure ends the job, reported once
+
+
+def debug_mode() -> None:
+    """ddp.debug: PyTorch's distributed debug mode for this process; call before the process
+    group starts. TORCH_DISTRIBUTED_DEBUG=INFO: DDP names the parameters that got no gradient and
+    logs its set-up and statistics. Not DETAIL, which would also check every collective for the
+    same shapes on all ranks: with it DDP's constructor crashes (segmentation fault) in torch
+    2.13 on the CPU; a DETAIL set in the environment is kept, to try on your own setup."""
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG") not in ("INFO", "DETAIL"):
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "INFO"
+    dist.set_debug_level_from_env()
+
+
+def no_retries() -> None:
+    """A run that must not be retried (train.fast_dev_run): under run.sh, an error ends the job
+    at once, its traceback printed by the first rank that fails and by no other."""
+    global _SMOKE_TEST
+    _SMOKE_TEST = True
+
+
+def _report_smoke_test_failure(error: BaseException) -> NoReturn:
+    """The first failing rank of this machine prints the traceback (a file created exclusively
+    beside run.sh's status file decides which); every rank then exits 0, so that torchrun does
+    not start the job again, and run.sh exits 1 for the 'failed' status."""
+    status_file = os.environ["RUN_SH_STATUS_FILE"]
+    rank = os.environ.get("RANK", "0")
+    if not _is_peer_failure(error):
+        try:
+            os.close(os.open(f"{status_file}.reported", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="")
+        except FileExistsError:
+            pass
+    _tell_run_sh("failed")
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_main(main: Callable[[list[str]], None]) -> None:
@@ -443,9 +480,15 @@ def run_main(main: Callable[[list[str]], None]) -> None:
         if UNUSED_PARAMETERS in str(error):
             # DDP's own message is a page long; the fix is one setting. Every rank runs the same
             # model, so every rank gets here and they agree as for any input mistake.
+            names = re.search(r"Parameters which did not receive grad for rank \d+: (.+)",
+                              str(error))
+            which = (f": {names.group(1).strip()}" if names
+                     else " (ddp.debug=true names them)")
             _exit_on_user_error(
-                "the model has parameters that got no gradient (a branch that forward did not "
-                "use): set ddp.find_unused_parameters=true, or remove them")
+                f"the model has parameters that got no gradient{which}; a branch that forward "
+                "did not use: set ddp.find_unused_parameters=true, or remove them")
+        if _SMOKE_TEST and os.environ.get("RUN_SH_STATUS_FILE"):
+            _report_smoke_test_failure(error)
         rank = os.environ.get("RANK", "0")
         if _is_peer_failure(error):
             # Another rank failed (its own report says why) or was killed: leave quietly;

@@ -29,12 +29,12 @@ from omegaconf import DictConfig, OmegaConf
 import checkpoint
 import dist_utils
 import trackers
+from builtin_tasks import build_task
 from config import UserError, config_from_dict, given_keys, load_config
 from data import DataModule
 from evaluation import evaluate_split, scalars, summary_lines, write_outputs
 from parallel import build_model
 from speed import resolve_speed
-from tasks import build_task
 
 log = logging.getLogger("ddp")
 

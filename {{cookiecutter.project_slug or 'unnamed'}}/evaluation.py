@@ -26,12 +26,12 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader
 
 import dist_utils
+from builtin_tasks import Task
 from config import UserError
 from data import EvalShardSampler, count_samples, to_device
 from dist_utils import Supervisor
 from parallel import is_sharded
 from speed import FLOAT32, Speed
-from tasks import Task
 
 log = logging.getLogger("ddp")
 

@@ -4,7 +4,8 @@
 process group, wraps the model in DistributedDataParallel (`parallel.strategy=ddp`) or shards it
 with FSDP2 (`parallel.strategy=fsdp`), and compiles it when asked; `unwrap` gives the user's
 module back. `skip_gradient_sync` (gradient accumulation) and `ModelState` (checkpoints) hide
-which of the two it is from the training loop. model.py holds the models themselves.
+which of the two it is from the training loop. The models themselves are in builtin_models.py
+(the examples) and model.py (yours).
 """
 
 import contextlib
@@ -26,9 +27,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
+from builtin_models import MODELS
 from config import lookup
 from dist_utils import DistEnv
-from model import MODELS
 from speed import Speed
 
 

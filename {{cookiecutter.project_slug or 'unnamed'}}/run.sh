@@ -89,7 +89,7 @@ fi
 # so torchrun does not restart them (the mistake or the stall would only come back, and a
 # preempted job is about to be killed), and this script exits 2, 75 or 1.
 status_file="$(mktemp "${TMPDIR:-/tmp}/run-sh-status.XXXXXX")"
-trap 'rm -f "$status_file"' EXIT
+trap 'rm -f "$status_file" "$status_file.reported"' EXIT
 export RUN_SH_STATUS_FILE="$status_file"
 
 # Preemption: SLURM (or another scheduler) sends SIGTERM or SIGUSR1 before it kills a job. Every
@@ -141,6 +141,7 @@ case "$(head -c 40 "$status_file")" in
   error:*) exit 2 ;;
   preempted*) exit 75 ;;
   stalled*) exit 1 ;;
+  failed*) exit 1 ;;
 esac
 if [[ -n "$interrupted" ]]; then
   exit 130

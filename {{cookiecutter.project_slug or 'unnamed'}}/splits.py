@@ -3,7 +3,8 @@
 `Splits` holds the three splits (any map-style `Dataset`) and what the task needs to know of the
 targets. `split_indices` makes a fixed, stratified split from the `data` config; `array_splits`
 builds all of `Splits` for data that fits in memory (`TensorSamples`: whole batches read with one
-indexing operation). data_sources.py uses them for the examples; your builders can too.
+indexing operation). builtin_datasets.py uses them for the examples; your builders in
+data_sources.py can too.
 """
 
 import math
@@ -25,7 +26,7 @@ class Splits:
     train: Dataset
     val: Dataset
     test: Dataset
-    task: str  # the task the data is made for (a key of tasks.TASKS); task.name overrides it
+    task: str  # the task the data is made for (a key of TASKS); task.name overrides it
     num_classes: int = 0  # classification: labels are 0 .. num_classes - 1
     target_mean: float = 0.0  # regression: the task trains on (target - mean) / std and
     target_std: float = 1.0  # reports metrics in the target's own units

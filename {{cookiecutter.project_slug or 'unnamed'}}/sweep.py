@@ -400,9 +400,9 @@ def submit_array(sweep: Sweep, args) -> int:
 def task_direction(sweep: Sweep) -> str:
     """maximize or minimize: what the task's headline metric wants (the data is built to know
     the task, as training does)."""
+    from builtin_tasks import build_task
     from config import load_config
     from data import build_splits
-    from tasks import build_task
 
     argv = ([f"--config={sweep.config_file}"] if sweep.config_file else []) + sweep.fixed
     cfg = load_config(argv)

@@ -16,6 +16,7 @@ import gc
 import json
 import logging
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -23,20 +24,23 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import default_collate
 from tqdm import tqdm
 
 import checkpoint
 import dist_utils
+import flops
 import report
 import trackers
+from builtin_tasks import Task, build_task
 from checkpoint import Position
 from config import load_config
 from data import DataModule, count_samples, to_device
 from evaluation import evaluate_split, loss_terms, scalars
 from parallel import ModelState, build_model, full_tensor, skip_gradient_sync, unwrap, wrap_model
+from profiling import StepProfiler
 from speed import FLOAT32, Speed, build_optimizer, grad_scaler, resolve_speed
 from speed import describe as describe_speed
-from tasks import Task, build_task
 from training_log import TrainingLog
 
 log = logging.getLogger("ddp")
@@ -173,6 +177,11 @@ def setup(argv: list[str]) -> Setup:
     env = dist_utils.get_dist_env()
     cfg = load_config(argv, world_size=env.world_size)
     dist_utils.setup_logging(env)
+    if cfg.train.fast_dev_run:
+        dist_utils.no_retries()
+        cfg = smoke_test_config(cfg)
+    if cfg.ddp.debug:
+        dist_utils.debug_mode()
     device = dist_utils.select_device(env, cfg.train.device)
     dist_utils.init_distributed(env, device, cfg.ddp.backend, cfg.ddp.timeout_minutes)
     run = checkpoint.open_run_dir(cfg, env)
@@ -202,8 +211,11 @@ def setup(argv: list[str]) -> Setup:
     optimizer = build_optimizer(model, cfg, speed)
     scheduler = LRSchedule(optimizer, cfg.optim.warmup_steps, total_steps, cfg.optim.schedule)
     tracked = trackers.Trackers(cfg, run.path) if env.is_main and trackers.enabled(cfg) else None
+    train_log = TrainingLog(run.path, env, device, tracked)
+    train_log.flops_per_sample = count_flops(cfg, data, task, input_shape)
+    train_log.peak_flops = peak_flops(cfg, device, speed)[0]
     s = Setup(cfg, env, device, data, task, speed, model, optimizer, scheduler,
-              grad_scaler(speed, device), TrainingLog(run.path, env, device, tracked), run.path,
+              grad_scaler(speed, device), train_log, run.path,
               Position(), total_steps, resumed=resume_from is not None,
               supervisor=dist_utils.Supervisor(env, cfg.ddp.timeout_minutes),
               checkpointer=checkpoint.Checkpointer(run.path, cfg, env), trackers=tracked)
@@ -226,6 +238,29 @@ def setup(argv: list[str]) -> Setup:
     if tracked:  # before step 1: the tracker run exists (or its failure is said) from the start
         tracked.start()
     return s
+
+
+def count_flops(cfg: DictConfig, data: DataModule, task: Task, input_shape) -> float | None:
+    """Model FLOPs of one training sample (forward, loss, backward), counted on a copy of the
+    model on the meta device (flops.py); None for a model that cannot run there."""
+    train = data.datasets["train"]
+    batch = default_collate([train[0], train[min(1, len(train) - 1)]])  # 2: BatchNorm trains
+
+    def forward_and_loss(model, batch):
+        return loss_terms(task.loss(model(task.model_inputs(batch)), batch))["loss"]
+
+    try:
+        total = flops.count_training_flops(
+            lambda: build_model(cfg.model, input_shape, task.num_outputs), forward_and_loss, batch)
+    except Exception:  # a model that reads values (.item(), data-dependent shapes); describe()
+        return None  # says so, and a real bug in it is reported by the training step
+    return total / count_samples(batch)
+
+
+def peak_flops(cfg: DictConfig, device: torch.device, speed: Speed) -> tuple[float | None, str]:
+    """The device's peak FLOP/s at the run's precision (None if unknown), and its name."""
+    return flops.peak_flops(device, "fp32" if speed.autocast_dtype is None else "bf16",
+                            cfg.speed.tf32)
 
 
 def write_summary(s: Setup, status: str) -> None:
@@ -268,6 +303,8 @@ def describe(s: Setup) -> None:
              "accumulation step(s)", data.micro_batch_size * env.world_size
              * cfg.train.grad_accum_steps, data.micro_batch_size, env.world_size,
              cfg.train.grad_accum_steps)
+    peak, device_name = peak_flops(cfg, s.device, s.speed)
+    log.info(flops.describe(s.log.flops_per_sample, peak, device_name, s.device))
 
 
 def stop_for_preemption(s: Setup) -> None:
@@ -284,17 +321,35 @@ def stop_for_preemption(s: Setup) -> None:
 
 
 def main(argv: list[str]) -> None:
+    started = time.perf_counter()
     s = setup(argv)
     describe(s)
     # What setup made lives to the end: the garbage collector need not scan it again and again.
     gc.collect()
     gc.freeze()
+    if s.cfg.train.fast_dev_run:
+        with removed_at_the_end(s):
+            end_smoke_test(s, train_epochs(s), started)
+        return
+    save_and_export(s, train_epochs(s))
+    with dist_utils.agree_on_errors():  # summary.json, curves.png, the trackers' files
+        finish(s, "done")
+    s.supervisor.settle()
+    log.info("done: checkpoints in %s, the final model in %s, TensorBoard logs in %s",
+             s.run_dir / "checkpoints", s.run_dir / checkpoint.MODEL_FILE, s.run_dir / "tb")
+    log.info("evaluate with: ./run.sh evaluate.py eval.checkpoint=%s", s.run_dir)
+
+
+def train_epochs(s: Setup) -> int:
+    """The training loop, from where setup left it to the end; returns the step of the last
+    checkpoint it saved (-1: none)."""
     cfg, model, data, task, position, train_log = s.cfg, s.model, s.data, s.task, s.position, s.log
     # Settings the loop reads every step, as plain numbers (an OmegaConf read is far slower).
     epochs, log_every, ckpt_every = cfg.train.epochs, cfg.train.log_every, cfg.train.ckpt_every
-    grad_clip = cfg.optim.grad_clip
+    grad_clip, limit_val = cfg.optim.grad_clip, cfg.train.limit_val_batches
     last_saved = position.step if s.resumed else -1
     show_bar = s.env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
+    profiler = StepProfiler(cfg, s.run_dir, s.env.rank, s.device, position.step)
     while position.epoch < epochs and position.step < s.total_steps:
         model.train()
         train_log.start_epoch(resumed_within=position.step_in_epoch > 0)
@@ -306,6 +361,7 @@ def main(argv: list[str]) -> None:
                                                     s.device, s.speed, s.scaler, grad_clip)
             train_log.add_step(values, samples, grad_norm)
             s.scheduler.step()
+            profiler.step()
             position.step += 1
             position.step_in_epoch += 1
             bar.update()
@@ -328,8 +384,9 @@ def main(argv: list[str]) -> None:
         bar.close()
         train_seconds = time.perf_counter() - epoch_start
         # Validation: the exact, sharded evaluation of evaluate.py, on the unwrapped model.
-        val = evaluate_split(unwrap(model), data.eval_loader("val"), s.device, task, s.speed,
-                             cfg.eval.binned_thresholds, detail=False, supervisor=s.supervisor)
+        val = evaluate_split(unwrap(model), data.eval_loader("val", limit_val), s.device, task,
+                             s.speed, cfg.eval.binned_thresholds, detail=False,
+                             supervisor=s.supervisor)
         if val is None:  # preempted during validation: it runs again after the resume
             stop_for_preemption(s)
         val_seconds = time.perf_counter() - epoch_start - train_seconds
@@ -340,18 +397,61 @@ def main(argv: list[str]) -> None:
                                           if isinstance(value, float)))
         if position.step_in_epoch >= data.steps_per_epoch:
             position.epoch, position.step_in_epoch = position.epoch + 1, 0
+    profiler.close()
+    return last_saved
 
-    if last_saved != position.step:
+
+def save_and_export(s: Setup, last_saved: int) -> None:
+    """The last checkpoint (unless the loop just saved it), on disk, the final model exported,
+    and the training log closed."""
+    if last_saved != s.position.step:
         s.save()
     s.checkpointer.wait()
     export(s)
-    train_log.close()
-    with dist_utils.agree_on_errors():  # summary.json, curves.png, the trackers' files
-        finish(s, "done")
+    s.log.close()
+
+
+# --- train.fast_dev_run: a smoke test of the whole path in seconds ------------------------------
+
+SMOKE_TEST_SETTINGS = {
+    "run.name": ".fast_dev_run", "run.dir": "", "train.resume": "never", "train.epochs": 1,
+    "train.max_steps": 0, "train.limit_train_batches": 2, "train.limit_val_batches": 1,
+    "train.log_every": 1, "train.ckpt_every": 0, "train.progress_bar": False,
+    "train.plot_curves": False, "tracking.mlflow": False, "tracking.wandb": False,
+    "profile.enabled": False,
+}
+
+
+def smoke_test_config(cfg: DictConfig) -> DictConfig:
+    """The run's config, cut down to a smoke test in a temporary run folder."""
+    cfg = cfg.copy()
+    for key, value in SMOKE_TEST_SETTINGS.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+@contextlib.contextmanager
+def removed_at_the_end(s: Setup):
+    """The smoke test's run folder is deleted when it ends, whether it passed or failed."""
+    try:
+        yield
+    finally:
+        if s.env.is_main:
+            shutil.rmtree(s.run_dir, ignore_errors=True)
+
+
+def end_smoke_test(s: Setup, last_saved: int, started: float) -> None:
+    """After the smoke test's training steps: a checkpoint, the export, one test batch on every
+    rank; then "ok" with what ran."""
+    save_and_export(s, last_saved)
+    test = evaluate_split(unwrap(s.model), s.data.eval_loader("test", limit=1), s.device, s.task,
+                          s.speed, s.cfg.eval.binned_thresholds, detail=False)
     s.supervisor.settle()
-    log.info("done: checkpoints in %s, the final model in %s, TensorBoard logs in %s",
-             s.run_dir / "checkpoints", s.run_dir / checkpoint.MODEL_FILE, s.run_dir / "tb")
-    log.info("evaluate with: ./run.sh evaluate.py eval.checkpoint=%s", s.run_dir)
+    loss, test_loss = s.log.last.get("loss", math.nan), test.get("loss", math.nan)
+    log.info("fast_dev_run ok in %.1f s on %d process(es): %d training steps (loss %.4f), a "
+             "validation and a test batch on every rank (test loss %.4f), a checkpoint and the "
+             "export; the temporary run folder is removed", time.perf_counter() - started,
+             s.env.world_size, s.position.step, loss, test_loss)
 
 
 def export(s: Setup) -> None:

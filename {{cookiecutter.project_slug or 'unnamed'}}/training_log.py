@@ -122,6 +122,8 @@ class TrainingLog:
         self.in_flight: list = []  # windows being all-reduced: (handle, sums, names, record)
         self.epoch_sums: dict[str, float] = {}
         self.last: dict = {}  # the last window written (for the progress bar)
+        self.flops_per_sample: float | None = None  # model FLOPs of a training sample (flops.py)
+        self.peak_flops: float | None = None  # one device's peak FLOP/s, where known
         self._writer: Writer | None = None
 
     # -- during the step: no work on the device ---------------------------------------------------
@@ -190,7 +192,7 @@ class TrainingLog:
         seconds = record.pop("seconds")
         record.update({name: total / samples for name, total in zip(names, totals, strict=True)})
         if seconds is not None:
-            record["samples_per_s"] = samples / seconds
+            record.update(self._rates(samples, seconds))
         if "grad_norm" in record:
             record["grad_norm"] = record["grad_norm"].item()  # the same on every rank
         if not math.isfinite(record["loss"]):  # the same all-reduced value on every rank
@@ -202,6 +204,17 @@ class TrainingLog:
             self.writer().write("train_log.jsonl", {**record, "time": time.time()}, scalars,
                                 record["step"])
         self.last = record
+
+    def _rates(self, samples: int, seconds: float) -> dict[str, float]:
+        """Throughput of a window: samples/s of the job and of one rank (the ranks step
+        together), the model TFLOP/s of one rank and, on a GPU of known peak, the MFU."""
+        per_rank = samples / seconds / self.env.world_size
+        rates = {"samples_per_s": samples / seconds, "samples_per_s_per_rank": per_rank}
+        if self.flops_per_sample:
+            rates["tflops_per_rank"] = per_rank * self.flops_per_sample / 1e12
+            if self.peak_flops:
+                rates["mfu"] = per_rank * self.flops_per_sample / self.peak_flops
+        return rates
 
     # -- epochs -----------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""The tests' own data, models and task: small, fast, and independent of the examples in
-data_sources.py and model.py, so the tests keep checking the plumbing after you replace those.
+"""The tests' own data, models and task: small, fast, and independent of the built-in examples
+and of yours, so the tests keep checking the plumbing whatever you add or change.
 
 Runs name them by file: data.dataset=tests/fixtures.py:vectors model.name=tests/fixtures.py:mlp.
 """
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from builtin_tasks import MulticlassTask
 from config import UserError
 from splits import Splits, array_splits, split_indices
-from tasks import MulticlassTask
 
 SAMPLES = 352  # -> 228 train (divisible by 1, 2, 3, 4, 6), 53 val, 71 test (neither by 2 nor 3)
 
@@ -158,6 +158,30 @@ class ConvNet(nn.Module):
 
 def convnet(cfg, input_shape, num_outputs: int) -> nn.Module:
     return ConvNet(input_shape[0], cfg.channels, num_outputs, cfg.batchnorm)
+
+
+class BrokenMLP(MLP):
+    """A model with a bug: its last layer expects one input feature more than it gets."""
+
+    def __init__(self, inputs: int, outputs: int, hidden: int):
+        super().__init__(inputs, outputs, hidden, 1, 0.0, False)
+        self.net[-1] = nn.Linear(hidden + 1, outputs)
+
+
+def broken_mlp(cfg, input_shape, num_outputs: int) -> nn.Module:
+    return BrokenMLP(int(np.prod(input_shape)), num_outputs, cfg.hidden_dim)
+
+
+class UnusedHead(MLP):
+    """An MLP with a second head that forward never uses: its parameters get no gradient."""
+
+    def __init__(self, inputs: int, outputs: int, hidden: int):
+        super().__init__(inputs, outputs, hidden, 1, 0.0, False)
+        self.spare_head = nn.Linear(inputs, outputs)
+
+
+def unused_head(cfg, input_shape, num_outputs: int) -> nn.Module:
+    return UnusedHead(int(np.prod(input_shape)), num_outputs, cfg.hidden_dim)
 
 
 class DictModel(nn.Module):

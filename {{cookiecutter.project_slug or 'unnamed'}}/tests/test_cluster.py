@@ -120,7 +120,8 @@ def test_a_second_job_on_the_same_run_folder_is_refused(tmp_path):
 
     def records(path: Path) -> list[dict]:  # timings aside
         return [{k: v for k, v in json.loads(line).items()
-                 if k not in ("time", "samples_per_s") and not k.endswith("_seconds")}
+                 if k not in ("time", "samples_per_s", "samples_per_s_per_rank",
+                              "tflops_per_rank", "mfu") and not k.endswith("_seconds")}
                 for line in path.read_text().splitlines()]
 
     for name in ("train_log.jsonl", "metrics.jsonl"):  # the first job ran as if alone

@@ -1,7 +1,10 @@
 """The config schema: defaults, overrides, and the one-line errors for bad input."""
 
+import inspect
+import shutil
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 from omegaconf import OmegaConf
@@ -10,12 +13,20 @@ from config import (
     DEFAULT_CONFIG_FILE,
     PROJECT_DIR,
     Config,
+    DataConfig,
+    ModelConfig,
+    TaskConfig,
     UserError,
     given_keys,
     load_config,
     lookup,
     parse_args,
 )
+from settings import DataSettings, ModelSettings, TaskSettings
+
+# The sections that extend settings.py's classes: (section, the template's class, yours).
+EXTENDED = (("data", DataConfig, DataSettings), ("model", ModelConfig, ModelSettings),
+            ("task", TaskConfig, TaskSettings))
 
 
 def flat(node: dict, prefix: str = "") -> dict:
@@ -26,14 +37,89 @@ def flat(node: dict, prefix: str = "") -> dict:
     return items
 
 
+def your_keys() -> set[str]:
+    """The keys settings.py adds (a name the template's section has too is the template's)."""
+    return {f"{name}.{f.name}" for name, template, yours in EXTENDED for f in fields(yours)
+            if f.name not in inspect.get_annotations(template)}
+
+
 def test_yaml_shows_exactly_the_schema_defaults():
-    # One source of defaults: the YAML may not add, drop or change any value of the schema.
-    schema = flat(OmegaConf.to_container(OmegaConf.structured(Config)))
+    # One source of defaults: the YAML may not add, drop or change any value of the template's
+    # schema. It shows the template's settings only: yours are documented in settings.py.
+    mine = your_keys()
+    schema = {key: value for key, value in flat(OmegaConf.to_container(
+        OmegaConf.structured(Config))).items() if key not in mine}
     shown = flat(OmegaConf.to_container(OmegaConf.load(DEFAULT_CONFIG_FILE)))
     differ = [f"{key}: {shown.get(key, '(missing)')} in the YAML, {schema.get(key, '(none)')} "
-              "in config.py" for key in sorted(schema.keys() | shown.keys())
+              "in config.py" + (" (a setting of yours: its default is the one in settings.py)"
+                                if key in mine else "")
+              for key in sorted(schema.keys() | shown.keys())
               if schema.get(key, "(none)") != shown.get(key, "(missing)")]
     assert not differ, "configs/default.yaml and config.py differ: " + "; ".join(differ)
+
+
+def test_your_settings_do_not_reuse_a_template_key():
+    # A field of settings.py named like one of the template's section would be silently
+    # replaced by the template's (its default and its type): refuse it here.
+    for name, template, yours in EXTENDED:
+        clash = sorted({f.name for f in fields(yours)} & set(inspect.get_annotations(template)))
+        assert not clash, (
+            f"settings.py: {yours.__name__} declares {', '.join(clash)}, which the template's "
+            f"{name} section already has ({name}.{clash[0]}): give yours another name")
+
+
+YOUR_SETTINGS = '''from dataclasses import dataclass
+
+
+@dataclass
+class DataSettings:
+    scan_weight: float = 0.5
+
+
+@dataclass
+class ModelSettings:
+    aux_head: bool = False
+
+
+@dataclass
+class TaskSettings:
+    pass
+'''
+PROBE = '''import sys
+from config import UserError, load_config
+cfg = load_config([])
+print(cfg.model.aux_head, cfg.data.scan_weight)
+cfg = load_config(["--config", "exp.yaml", "data.scan_weight=2"])
+print(cfg.model.aux_head, cfg.data.scan_weight)
+for bad in ("model.aux_hed=true", "model.aux_head=maybe"):
+    try:
+        load_config([bad])
+    except UserError as error:
+        print(error)
+'''
+
+
+def test_a_setting_of_yours_is_a_key_like_any_other(tmp_path):
+    # config.py in a folder of its own, beside a settings.py that declares two fields.
+    shutil.copy(PROJECT_DIR / "config.py", tmp_path)
+    (tmp_path / "configs").mkdir()
+    shutil.copy(DEFAULT_CONFIG_FILE, tmp_path / "configs")
+    (tmp_path / "settings.py").write_text(YOUR_SETTINGS)
+    (tmp_path / "exp.yaml").write_text("model:\n  aux_head: true\n")
+    probe = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True,
+                           text=True, check=False)
+    assert probe.returncode == 0, probe.stderr
+    defaults, given, unknown, wrong_type = probe.stdout.splitlines()
+    assert defaults == "False 0.5"  # the defaults of settings.py
+    assert given == "True 2.0"  # from a YAML file and the command line, typed
+    assert unknown.startswith("model.aux_hed is not a config key (command line); section model "
+                              "has: aux_head, name, ")
+    assert unknown.endswith("; did you mean model.aux_head?")
+    assert wrong_type == ("model.aux_head=maybe is not valid (command line): model.aux_head must "
+                          "be true or false")
+    shown = subprocess.run([sys.executable, "config.py", "model.aux_head=true"], cwd=tmp_path,
+                           capture_output=True, text=True, check=True).stdout
+    assert "  aux_head: true\n" in shown and "  scan_weight: 0.5\n" in shown
 
 
 def test_overrides_are_typed_and_applied():

@@ -1,15 +1,15 @@
-"""The built-in examples of data_sources.py and model.py. If you remove an example, remove its
-test here; every other test uses the tests' own fixtures (tests/fixtures.py)."""
+"""The built-in examples of builtin_datasets.py and builtin_models.py; every other test uses the
+tests' own fixtures (tests/fixtures.py)."""
 
 import numpy as np
 import pytest
 import torch
 
+from builtin_tasks import build_task
 from config import load_config
 from data import DataModule
 from dist_utils import DistEnv
 from parallel import build_model
-from tasks import build_task
 
 ONE = DistEnv(0, 0, 1, False)
 CPU = torch.device("cpu")

@@ -3,6 +3,7 @@ logged throughput counts training steps only; epoch times are split into trainin
 validation."""
 
 import json
+import math
 import sys
 import time
 
@@ -33,6 +34,13 @@ def test_loss_terms_and_scalars_of_a_task_reach_every_log(tmp_path):
     assert all(step["loss"] == step["loss_ce"] + step["loss_embedding_l2"] or abs(
         step["loss"] - step["loss_ce"] - step["loss_embedding_l2"]) < 1e-6 for step in steps)
     assert {"val_loss_ce", "val_loss_embedding_l2", "val_accuracy"} <= epochs[-1].keys()
+    # Throughput of the job and of one of its 2 ranks, and the model TFLOP/s of a rank (the
+    # FLOPs counted on a dict model too); no MFU on a CPU. The first window has no rate.
+    timed = steps[1:]
+    assert "samples_per_s" not in steps[0] and timed
+    for step in timed:
+        assert math.isclose(step["samples_per_s_per_rank"], step["samples_per_s"] / 2)
+        assert step["tflops_per_rank"] > 0 and "mfu" not in step
     events = EventAccumulator(str(run_dir / "tb"))
     events.Reload()
     assert {f"train/{name}" for name in names} | {"val/loss_embedding_l2"} <= set(

@@ -1,0 +1,120 @@
+"""Template updates with cruft: a project made with `cruft create` and then edited as the "Bring
+your own" recipe says takes a later template commit with `cruft update`: the template's change
+arrives, the user's files stay exactly as the user left them (pyproject.toml's [tool.cruft] skip),
+nothing conflicts, and `cruft check` fails before the update and passes after it.
+
+The template is copied into a git repository of its own (a local path: no network)."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TEMPLATE, apply_edit, recipe_blocks, run
+
+CRUFT = Path(sys.executable).parent / "cruft"
+SLUG_DIR = "{{cookiecutter.project_slug or 'unnamed'}}"
+# The user's files of the project (pyproject.toml's [tool.cruft] skip), and one of the template's.
+YOURS = ["data_sources.py", "model.py", "tasks.py", "settings.py"]
+TEMPLATE_FILE = "builtin_models.py"
+TEMPLATE_FIX = "# A later fix of the template's, which `cruft update` brings in.\n"
+# A later change to the template's starting version of a user file, at its end: where the recipe
+# appended, so it would collide with the user's code if updates did not skip the file.
+STUB_CHANGE = "# A later line of the template's starting version of this file.\n"
+
+
+@pytest.fixture
+def tools(tmp_path):
+    """Environment for git and cruft that ignores the machine's own git and cookiecutter
+    settings: a fixed identity and default branch, no signing, cookiecutter's defaults."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "gitconfig").write_text("[user]\n\tname = Template Test\n\temail = test@example.com\n"
+                                    "[init]\n\tdefaultBranch = main\n")
+    (home / "cookiecutterrc").write_text(f"cookiecutters_dir: {home / 'cookiecutters'}\n"
+                                         f"replay_dir: {home / 'replay'}\n")
+    identity = {f"GIT_{who}_{what}": value for who in ("AUTHOR", "COMMITTER")
+                for what, value in (("NAME", "Template Test"), ("EMAIL", "test@example.com"))}
+    return {"GIT_CONFIG_GLOBAL": str(home / "gitconfig"), "GIT_CONFIG_NOSYSTEM": "1",
+            "COOKIECUTTER_CONFIG": str(home / "cookiecutterrc"), **identity}
+
+
+def call(args: list, cwd: Path, env: dict, ok: bool = True):
+    result = run(args, cwd=cwd, timeout=120, **env)
+    if ok:
+        assert result.returncode == 0, f"{args}\n{result.stdout}"
+    return result
+
+
+def commit(repo: Path, message: str, env: dict) -> str:
+    call(["git", "add", "-A"], repo, env)
+    call(["git", "commit", "-q", "-m", message], repo, env)
+    return call(["git", "rev-parse", "HEAD"], repo, env).stdout.strip()
+
+
+def template_repo(root: Path, env: dict) -> Path:
+    """The template as it is in this checkout (what cookiecutter needs of it), one commit."""
+    repo = root / "ddp-template"
+    repo.mkdir()
+    shutil.copy(TEMPLATE / "cookiecutter.json", repo)
+    caches = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache")
+    for folder in ("hooks", SLUG_DIR):
+        shutil.copytree(TEMPLATE / folder, repo / folder, ignore=caches)
+    call(["git", "init", "-q"], repo, env)
+    commit(repo, "The template", env)
+    return repo
+
+
+def conflicts(project: Path) -> list[str]:
+    """Files cruft left a conflict in: *.rej files, or git's conflict markers."""
+    found = [str(path.relative_to(project)) for path in project.rglob("*.rej")]
+    for path in project.rglob("*"):
+        if path.is_file() and ".git" not in path.parts:
+            lines = path.read_text(errors="replace").splitlines()
+            if any(line.startswith(("<<<<<<< ", ">>>>>>> ")) for line in lines):
+                found.append(str(path.relative_to(project)))
+    return found
+
+
+def test_cruft_update_brings_template_changes_and_keeps_the_users_files(tmp_path, tools):
+    template = template_repo(tmp_path, tools)
+    baked = call([CRUFT, "create", template, "--no-input", "--output-dir", tmp_path / "out"],
+                 tmp_path, tools)
+    project = tmp_path / "out" / "my_ddp_experiment"
+    state = json.loads((project / ".cruft.json").read_text())
+    first = call(["git", "rev-parse", "HEAD"], template, tools).stdout.strip()
+    assert (state["template"], state["commit"]) == (str(template), first), baked.stdout
+    call(["git", "init", "-q"], project, tools)
+    commit(project, "Baked from the template", tools)
+
+    # The user's experiment: every file edit of the recipe (data, model, setting, config, task).
+    edits = [(action, body) for action, body in recipe_blocks(project) if action != "run"]
+    assert {action.split()[1] for action, _ in edits} == {*YOURS, "configs/my_scans.yaml"}
+    for action, body in edits:
+        apply_edit(project, action, body)
+    yours = {name: (project / name).read_text() for name in [*YOURS, "configs/my_scans.yaml"]}
+    assert "class MyScans(Dataset):" in yours["data_sources.py"]
+    assert "class ScanNet(nn.Module):" in yours["model.py"]
+    commit(project, "My experiment", tools)
+
+    # The template moves on: a fix in a file of its own, and a line at the end of the starting
+    # version of two of the user's files.
+    with open(template / SLUG_DIR / TEMPLATE_FILE, "a") as handle:
+        handle.write(TEMPLATE_FIX)
+    for name in ("data_sources.py", "model.py"):
+        with open(template / SLUG_DIR / name, "a") as handle:
+            handle.write(STUB_CHANGE)
+    second = commit(template, "A fix", tools)
+
+    assert call([CRUFT, "check"], project, tools, ok=False).returncode == 1
+    updated = call([CRUFT, "update", "-y"], project, tools)
+    assert "Good work" in updated.stdout, updated.stdout
+    assert conflicts(project) == [], updated.stdout
+    assert (project / TEMPLATE_FILE).read_text().endswith(TEMPLATE_FIX)
+    for name, text in yours.items():
+        assert (project / name).read_text() == text, f"cruft update changed {name}"
+    status = call(["git", "status", "--porcelain"], project, tools).stdout.splitlines()
+    assert sorted(line[3:] for line in status) == [".cruft.json", TEMPLATE_FILE], status
+    assert json.loads((project / ".cruft.json").read_text())["commit"] == second
+    call([CRUFT, "check"], project, tools)
