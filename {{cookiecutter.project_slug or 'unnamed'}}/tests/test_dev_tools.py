@@ -30,6 +30,7 @@ def test_fast_dev_run_says_ok_and_keeps_no_run(tmp_path):
     assert [path.name for path in output.iterdir()] == ["an-earlier-run"]
 
 
+@pytest.mark.slow  # the quick tier (-m 'not slow') skips it
 def test_fast_dev_run_fails_once_with_the_models_error(tmp_path):
     output = tmp_path / "runs"
     result = run_sh("train.fast_dev_run=true", f"model.name={fixture('broken_mlp')}",
@@ -70,6 +71,7 @@ def test_limited_loaders_keep_the_first_batches_of_every_rank():
     assert len(shards[0].eval_loader("val", limit=0.5).dataset) == 26  # half of 53
 
 
+@pytest.mark.slow  # the quick tier (-m 'not slow') skips it
 def test_profile_writes_a_trace_per_rank_and_prints_one_table(tmp_path):
     result = torchrun(2, "train.py", *TINY, "train.epochs=1", "profile.enabled=true",
                       "profile.start_step=3", "profile.steps=2", "profile.top_ops=12",
@@ -91,6 +93,7 @@ def test_profile_writes_a_trace_per_rank_and_prints_one_table(tmp_path):
     assert result.stdout.count("the top 12 operations of rank 0") == 1, result.stdout
 
 
+@pytest.mark.slow  # the quick tier (-m 'not slow') skips it
 def test_debug_mode_names_the_parameters_that_got_no_gradient(tmp_path):
     result = run_sh(*TINY, f"model.name={fixture('unused_head')}", "ddp.debug=true",
                     f"run.output_dir={tmp_path}")
@@ -134,3 +137,32 @@ def test_flops_of_a_training_step_of_the_default_models_equal_a_hand_count(name)
     else:
         hand = hand_count_cnn(shape[0], shape[1], model.channels, model.num_layers, 10)
     assert per_step == hand * data.batch_size_per_rank  # one rank's step: 32 samples
+
+
+@pytest.mark.parametrize("name, precision, tf32, peak", [
+    ("NVIDIA H200", "bf16", True, 989e12), ("NVIDIA H100 80GB HBM3", "fp32", True, 495e12),
+    ("NVIDIA H100 PCIe", "bf16", True, 756e12), ("NVIDIA A100-SXM4-80GB", "fp32", False, 19.5e12),
+    ("NVIDIA L40", "bf16", True, 181e12), ("NVIDIA L4", "bf16", True, 121e12),
+    ("Tesla V100-SXM2-32GB", "fp32", True, 15.7e12),  # no TF32 before Ampere
+    ("NVIDIA Quadro X", "bf16", True, None),  # not in the table: MFU unknown, said so
+])
+def test_peak_flops_of_known_gpus_and_an_unknown_one(monkeypatch, name, precision, tf32, peak):
+    import flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    found, device_name = flops.peak_flops(torch.device("cuda", 0), precision, tf32)
+    assert found == peak and device_name == name
+    text = flops.describe(1e9, found, device_name, torch.device("cuda", 0))
+    assert ("MFU unknown" in text) == (peak is None) and name in text
+    assert flops.peak_flops(torch.device("cpu"), precision, tf32)[0] is None
+
+
+def test_a_window_reports_mfu_against_the_peak(tmp_path):
+    from training_log import TrainingLog
+
+    log = TrainingLog(tmp_path, DistEnv(0, 0, 4, True), torch.device("cpu"))
+    log.flops_per_sample, log.peak_flops = 3e9, 100e12
+    rates = log._rates(samples=8000, seconds=2.0)  # 4000 samples/s on 4 ranks
+    assert rates["samples_per_s"] == 4000 and rates["samples_per_s_per_rank"] == 1000
+    assert math.isclose(rates["tflops_per_rank"], 3.0)  # 1000 x 3 GFLOP per second
+    assert math.isclose(rates["mfu"], 0.03)
