@@ -226,11 +226,9 @@ class DataModule:
         key = (split, limit)
         if key not in self._eval_loaders:  # kept: its workers persist between evaluations
             dataset = self.datasets[split]
-            if limit:
-                batch, size = self.cfg.eval.batch_size, len(dataset)
-                keep = (min(size, int(limit) * batch * self.env.world_size) if limit >= 1
-                        else max(1, int(size * limit)))
-                dataset = Subset(dataset, range(keep))
+            if limit:  # N batches on each rank: N x batch x ranks samples; or a fraction
+                per_batch = 1 if limit < 1 else self.cfg.eval.batch_size * self.env.world_size
+                dataset = Subset(dataset, range(limited(limit * per_batch, len(dataset))))
             sampler = EvalShardSampler(len(dataset), self.env.world_size, self.env.rank)
             self._eval_loaders[key] = self._loader(dataset, self.cfg.eval.batch_size, sampler)
         return self._eval_loaders[key]
