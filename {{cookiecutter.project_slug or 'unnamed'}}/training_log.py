@@ -61,9 +61,10 @@ class Writer:
     def __init__(self, run_dir: Path, purge_step: int | None, trackers=None):
         # Imported here, by rank 0 only and in the loop's own thread: an import in the writer's
         # thread would hold the interpreter lock while training steps run.
+        from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard import SummaryWriter
 
-        self.run_dir, self.trackers = run_dir, trackers
+        self.run_dir, self.trackers, self.summary = run_dir, trackers, Summary
         # purge_step: TensorBoard hides what an earlier attempt logged after the checkpoint.
         self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step)
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -86,8 +87,7 @@ class Writer:
                 continue
             try:
                 file_name, record, scalars, step, tracked = item
-                for tag, value in scalars.items():
-                    self.tensorboard.add_scalar(tag, value, step)
+                self._tensorboard(scalars, step)
                 _append_json(self.run_dir / file_name, record)
                 if self.trackers:  # never raises: a failing tracker is reported and dropped
                     self.trackers.log_metrics(tracked, step)
@@ -97,6 +97,14 @@ class Writer:
                             "checkpoint that cannot be written stops it", self.run_dir, error)
         with contextlib.suppress(OSError):
             self.tensorboard.close()
+
+    def _tensorboard(self, scalars: dict, step: int) -> None:
+        """All of a record's scalars as one TensorBoard event: what add_scalar writes, one
+        protobuf and one event for the lot instead of one each (a tenth of the Python work,
+        which would hold the interpreter lock while the training steps wait for it)."""
+        values = [self.summary.Value(tag=tag, simple_value=float(value))
+                  for tag, value in scalars.items()]
+        self.tensorboard.file_writer.add_summary(self.summary(value=values), step)
 
     def drain(self) -> None:
         """Wait until every record queued so far is written (files, TensorBoard, trackers)."""
