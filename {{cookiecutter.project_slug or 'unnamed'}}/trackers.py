@@ -16,7 +16,7 @@ and its files (metrics.json, curves.json, plots).
 
 Nothing here is imported unless the config turns a tracker on. A tracker that fails (its server
 is down, its disk is full) is reported once and dropped; training goes on. The calls come from
-the training log's writer thread (training_log.py), never from the training loop.
+the training log's tracker thread (training_log.py), never from the training loop.
 """
 
 import contextlib

@@ -54,68 +54,74 @@ def _keep_records(path: Path, keep) -> None:
 
 
 class Writer:
-    """Rank 0's log files and TensorBoard, written by a thread of their own: the training loop
-    only queues a record (a protobuf and a file write for every scalar would otherwise cost the
-    step time). Records keep their order; close() waits until all are written."""
+    """Rank 0's log files and TensorBoard, and the trackers.
+
+    Files and TensorBoard are written at once, by the training loop itself, between windows
+    (outside their clocks): a line and one TensorBoard event per record, some tens of
+    microseconds. A thread that wakes up to write them would cost more: on a busy machine its
+    wake-up takes a core from the training step, and a short window's rate would show it. The
+    trackers, whose calls can take long (a remote server, a busy SQLite store), get the records
+    in order from a thread of their own; drain() waits for it, close() too.
+    """
 
     def __init__(self, run_dir: Path, purge_step: int | None, trackers=None):
-        # Imported here, by rank 0 only and in the loop's own thread: an import in the writer's
-        # thread would hold the interpreter lock while training steps run.
         from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_dir, self.trackers, self.summary = run_dir, trackers, Summary
         # purge_step: TensorBoard hides what an earlier attempt logged after the checkpoint.
         self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step)
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.failed: BaseException | None = None
-        self.thread = threading.Thread(target=self._work, name="training-log", daemon=True)
-        self.thread.start()
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = None
+        if trackers:  # their modules are imported already, by this thread (see Trackers)
+            self.thread = threading.Thread(target=self._track, name="trackers", daemon=True)
+            self.thread.start()
 
     def write(self, file_name: str, record: dict, scalars: dict, step: int,
               tracked: dict | None = None) -> None:
         """Append `record` to `file_name`, `scalars` (tag -> number) to TensorBoard and
         `tracked` (default: `scalars`) to the trackers."""
-        self.queue.put((file_name, record, scalars, step, scalars if tracked is None else tracked))
-
-    def _work(self) -> None:
-        while (item := self.queue.get()) is not None:
-            if isinstance(item, threading.Event):  # drain(): everything before it is written
-                item.set()
-                continue
-            if self.failed:
-                continue
+        if not self.failed:
             try:
-                file_name, record, scalars, step, tracked = item
                 self._tensorboard(scalars, step)
                 _append_json(self.run_dir / file_name, record)
-                if self.trackers:  # never raises: a failing tracker is reported and dropped
-                    self.trackers.log_metrics(tracked, step)
             except OSError as error:  # a full disk, say: say so once; training goes on
                 self.failed = error
                 log.warning("cannot write the training log in %s (%s): training goes on; a "
                             "checkpoint that cannot be written stops it", self.run_dir, error)
-        with contextlib.suppress(OSError):
-            self.tensorboard.close()
+        if self.thread:
+            self.queue.put((scalars if tracked is None else tracked, step))
 
     def _tensorboard(self, scalars: dict, step: int) -> None:
-        """All of a record's scalars as one TensorBoard event: what add_scalar writes, one
-        protobuf and one event for the lot instead of one each (a tenth of the Python work,
-        which would hold the interpreter lock while the training steps wait for it)."""
+        """All of a record's scalars as one TensorBoard event: what add_scalar writes, but one
+        protobuf and one event for the lot instead of one each (a tenth of the Python work)."""
         values = [self.summary.Value(tag=tag, simple_value=float(value))
                   for tag, value in scalars.items()]
         self.tensorboard.file_writer.add_summary(self.summary(value=values), step)
 
+    def _track(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if isinstance(item, threading.Event):  # drain(): everything before it is logged
+                item.set()
+            else:  # never raises: a failing tracker is reported and dropped
+                self.trackers.log_metrics(*item)
+
     def drain(self) -> None:
-        """Wait until every record queued so far is written (files, TensorBoard, trackers)."""
+        """Wait until the trackers hold every record written so far (the files already do)."""
+        if self.thread is None:
+            return
         done = threading.Event()
         self.queue.put(done)
         while not done.wait(timeout=1.0) and self.thread.is_alive():
             pass
 
     def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join()
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join()
+        with contextlib.suppress(OSError):
+            self.tensorboard.close()
 
 
 class TrainingLog:
