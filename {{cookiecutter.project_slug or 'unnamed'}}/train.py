@@ -135,6 +135,23 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     return values, samples, grad_norm
 
 
+class NoBar:
+    """The progress bar where none is shown (other ranks, no terminal): a disabled tqdm still
+    costs its construction every epoch."""
+
+    def update(self, steps: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **values) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NO_BAR = NoBar()
+
+
 @dataclass
 class Setup:
     """What the loop works with: built once by setup(), then only read (but the position)."""
@@ -354,7 +371,7 @@ def train_epochs(s: Setup) -> int:
         model.train()
         train_log.start_epoch(resumed_within=position.step_in_epoch > 0)
         bar = tqdm(total=data.steps_per_epoch, initial=position.step_in_epoch, leave=False,
-                   desc=f"epoch {position.epoch + 1}/{epochs}", disable=not show_bar)
+                   desc=f"epoch {position.epoch + 1}/{epochs}") if show_bar else NO_BAR
         epoch_start = time.perf_counter()
         for micro_batches in data.train_steps(position.epoch, position.step_in_epoch):
             values, samples, grad_norm = train_step(model, s.optimizer, micro_batches, task,

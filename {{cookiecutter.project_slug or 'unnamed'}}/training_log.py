@@ -161,13 +161,16 @@ class TrainingLog:
         """Every value summed over the window's steps, weighted by each step's samples, and the
         window's samples (every rank has as many: the sampler pads). The weights are Python
         numbers: a weight tensor would be a copy from the host, which waits for the device."""
-        values = torch.stack([torch.stack([step[name] for step, _ in self.steps])
-                              for name in self.names]).detach().double()  # [names, steps]
+        # One stack of every value (step-major: each step's dict is in the order of self.names),
+        # a handful of kernels per window whatever the number of names.
+        values = torch.stack([value for step, _ in self.steps for value in step.values()])
+        values = values.view(len(self.steps), len(self.names)).double()  # [steps, names]
         counts = [count for _, count in self.steps]
-        sums, start = 0, 0
+        sums, start = None, 0
         for count, run in itertools.groupby(counts):  # steps of one size; an epoch's last differs
             length = len(list(run))
-            sums = sums + values[:, start:start + length].sum(1) * count
+            part = values[start:start + length].sum(0) * count
+            sums = part if sums is None else sums + part
             start += length
         return sums, sum(counts) * self.env.world_size
 
