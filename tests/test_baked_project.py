@@ -18,7 +18,8 @@ def test_baked_project_suite_and_lint(cookies, request):
     assert lint.returncode == 0, lint.stdout
     markers = request.config.getoption("markexpr")
     suite = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                 "--dist", "loadfile", *(["-m", markers] if markers else [])], cwd=project,
-                timeout=1800)
+                 "--dist", "loadfile", "-rs", "--durations=20",
+                 *(["-m", markers] if markers else [])], cwd=project, timeout=1800)
+    print(suite.stdout[-6000:])  # its slowest tests, any skip and why (`pytest -rP` shows it)
     assert suite.returncode == 0, suite.stdout
     assert " passed" in suite.stdout and "failed" not in suite.stdout

@@ -12,6 +12,7 @@ wrapped model; the data, model and task are what the config names.
 """
 
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -257,18 +258,20 @@ def setup(argv: list[str]) -> Setup:
     return s
 
 
+def training_loss(task: Task, model: torch.nn.Module, batch) -> torch.Tensor:
+    """The loss a training step differentiates (what count_flops counts)."""
+    return loss_terms(task.loss(model(task.model_inputs(batch)), batch))["loss"]
+
+
 def count_flops(cfg: DictConfig, data: DataModule, task: Task, input_shape) -> float | None:
     """Model FLOPs of one training sample (forward, loss, backward), counted on a copy of the
     model on the meta device (flops.py); None for a model that cannot run there."""
     train = data.datasets["train"]
     batch = default_collate([train[0], train[min(1, len(train) - 1)]])  # 2: BatchNorm trains
-
-    def forward_and_loss(model, batch):
-        return loss_terms(task.loss(model(task.model_inputs(batch)), batch))["loss"]
-
     try:
         total = flops.count_training_flops(
-            lambda: build_model(cfg.model, input_shape, task.num_outputs), forward_and_loss, batch)
+            functools.partial(build_model, cfg.model, input_shape, task.num_outputs),
+            functools.partial(training_loss, task), batch)
     except Exception:  # a model that reads values (.item(), data-dependent shapes); describe()
         return None  # says so, and a real bug in it is reported by the training step
     return total / count_samples(batch)
