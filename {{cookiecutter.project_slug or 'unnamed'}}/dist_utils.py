@@ -309,7 +309,9 @@ class Supervisor:
         self.group = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             self.group = dist.new_group(backend="gloo")  # collective: every rank
-            Watchdog(self, timeout_minutes * 60).start()
+            global _WATCHDOG
+            _WATCHDOG = Watchdog(self, timeout_minutes * 60)
+            _WATCHDOG.start()
 
     def should_stop(self) -> bool:
         """Whether every rank has agreed to stop for a preemption signal (collective)."""
@@ -336,6 +338,9 @@ COLLECTIVE_FILES = (f"{os.sep}torch{os.sep}distributed{os.sep}",
                     f"{os.sep}torch{os.sep}autograd{os.sep}", f"{os.sep}torch{os.sep}_tensor.py")
 
 
+_WATCHDOG: "Watchdog | None" = None  # this rank's, where there is a process group
+
+
 class Watchdog(threading.Thread):
     """Supervisor's stall detector (see there); a daemon thread per rank."""
 
@@ -350,6 +355,17 @@ class Watchdog(threading.Thread):
         # A client of its own on the rendezvous store (torchrun's MASTER_ADDR / MASTER_PORT).
         self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                    is_master=False, timeout=datetime.timedelta(seconds=30))
+        self.reported = threading.Event()  # the job's stall is reported (by any rank)
+        self.leaving = threading.Event()
+
+    def stall_reported(self) -> bool:
+        """Whether a rank has reported the job stalled: then a collective that fails on this
+        rank failed because the ranks are leaving, and this one should leave as they do."""
+        if not self.reported.is_set():
+            with contextlib.suppress(Exception):  # the store's host may be gone already
+                if self.store.check([f"{self.prefix}abort"]):
+                    self.reported.set()
+        return self.reported.is_set()
 
     def where(self) -> tuple[str, bool]:
         """The main thread's innermost frame of the project (file:line in function), and
@@ -378,7 +394,7 @@ class Watchdog(threading.Thread):
                       "waited": time.monotonic() - since}
             with contextlib.suppress(Exception):  # the store may be gone at the job's end
                 self.store.set(f"{self.prefix}rank{self.rank}", json.dumps(report))
-                if self.store.check([f"{self.prefix}abort"]):
+                if self.stall_reported():
                     self.leave()
                 if report["waited"] >= self.patience and self.store.add(
                         f"{self.prefix}claim", 1) == 1:
@@ -402,11 +418,17 @@ class Watchdog(threading.Thread):
                    + (f"; rank(s) {silent} sent no report" if silent else ""))
         print(f"error: {message}", file=sys.stderr, flush=True)
         _tell_run_sh("stalled")
+        self.reported.set()
         self.store.set(f"{self.prefix}abort", "1")
 
     def leave(self) -> None:
         """End this process, main thread and all, once the stall is reported. Rank 0 hosts the
-        store (run.sh gives each attempt its own), so it waits for the others to go first."""
+        store (run.sh gives each attempt its own), so it waits for the others to go first.
+        Called by the watchdog, or by the main thread when its collective failed meanwhile:
+        the first caller ends the process, the other waits for it."""
+        if self.leaving.is_set():
+            threading.Event().wait()
+        self.leaving.set()
         world = dist.get_world_size()
         with contextlib.suppress(Exception):
             gone = self.store.add(f"{self.prefix}gone", 1)
@@ -489,6 +511,11 @@ def run_main(main: Callable[[list[str]], None]) -> None:
                 "did not use: set ddp.find_unused_parameters=true, or remove them")
         if _SMOKE_TEST and os.environ.get("RUN_SH_STATUS_FILE"):
             _report_smoke_test_failure(error)
+        if _WATCHDOG is not None and _WATCHDOG.stall_reported():
+            # A peer stalled and the job is ending (the report is printed): the collective
+            # this rank waited in failed because the others left. Leave as they do, without
+            # a failure that torchrun would restart into the same stall.
+            _WATCHDOG.leave()
         rank = os.environ.get("RANK", "0")
         if _is_peer_failure(error):
             # Another rank failed (its own report says why) or was killed: leave quietly;

@@ -151,11 +151,11 @@ def test_the_lock_of_a_killed_job_is_taken_over(tmp_path):
 @pytest.mark.slow
 def test_a_stalled_rank_is_named_with_its_line_and_the_job_ends(tmp_path):
     start = time.monotonic()
-    launcher = launch(["tests/stall_at_step.py", *TINY, "ddp.timeout_minutes=0.25",
+    launcher = launch(["tests/stall_at_step.py", *TINY, "ddp.timeout_minutes=0.5",
                        f"run.output_dir={tmp_path}"], STALL_STEP="20", STALL_RANK="1")
     output = finish(launcher, timeout=150)
     took = time.monotonic() - start
-    assert took < 60, f"{took:.0f} s:\n{output}"
+    assert took < 90, f"{took:.0f} s:\n{output}"  # the 30 s timeout and a bounded grace
     assert launcher.returncode == 1, output
     stalls = [line for line in output.splitlines() if "the job stalled" in line]
     assert len(stalls) == 1, output
