@@ -291,10 +291,14 @@ class Supervisor:
     """Watches the job from every rank: preemption signals, and collectives that never finish.
 
     Preemption: SIGTERM and SIGUSR1 (what SLURM sends ahead of a kill; torchrun forwards them to
-    every worker) only set a flag. `should_stop()`, called by every rank at the same points (each
-    optimizer step, each common evaluation batch), all-reduces that flag on a CPU group of its
-    own: started at one call and read at the next, so a step never waits for it, and every rank
-    sees the same answer at the same step and stops there.
+    every worker) only set a flag. `should_stop()` is called by every rank at the same points
+    (each optimizer step, each evaluation batch that every rank has); at some of them, the
+    checks, the ranks all-reduce the flag on a CPU group of their own, so all of them see the
+    same answer at the same point and stop there. A check comes at least every CHECK_SECONDS of
+    work, and at every step that takes longer: each check also agrees on how many calls until
+    the next one, from the slowest rank's recent pace. (An all-reduce at every step of a tiny
+    model costs a fifth of its time on a busy CPU; once every CHECK_SECONDS, nothing to see.)
+    A phase that begins (`first=True`: a validation's first batch) checks at once.
 
     Stalls: a thread samples where this rank's main thread is. When it has waited in a
     collective, without progress, for most of ddp.timeout_minutes, the first rank to notice
@@ -302,10 +306,14 @@ class Supervisor:
     arrive and the file and line it was at, and has every rank leave.
     """
 
+    CHECK_SECONDS = 0.1
+    MAX_CALLS_BETWEEN_CHECKS = 10_000
+
     def __init__(self, env: DistEnv, timeout_minutes: float):
         self.env = env
         self.progress = 0  # bumped by the main thread at every step and evaluation batch
-        self.pending = None  # the flag all-reduce in flight: (handle, tensor)
+        self.next_check = 1  # the call (progress) of the next check, the same on every rank
+        self.checked = (0, 0.0)  # the last check's progress and time
         self.group = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             self.group = dist.new_group(backend="gloo")  # collective: every rank
@@ -313,25 +321,24 @@ class Supervisor:
             _WATCHDOG = Watchdog(self, timeout_minutes * 60)
             _WATCHDOG.start()
 
-    def should_stop(self) -> bool:
+    def should_stop(self, first: bool = False) -> bool:
         """Whether every rank has agreed to stop for a preemption signal (collective)."""
         self.progress += 1
         if self.group is None:
             return bool(PREEMPTION_SIGNALS_RECEIVED)
-        agreed = False
-        if self.pending is not None:
-            handle, flag = self.pending
-            handle.wait()  # started a step ago: done by now
-            agreed = flag.item() > 0
-        flag = torch.tensor([1.0 if PREEMPTION_SIGNALS_RECEIVED else 0.0])
-        self.pending = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
-        return agreed
-
-    def settle(self) -> None:
-        """Wait for the flag all-reduce in flight (before the process group goes)."""
-        if self.pending is not None:
-            self.pending[0].wait()
-            self.pending = None
+        if self.progress < self.next_check and not first:
+            return False
+        now = time.perf_counter()
+        calls, since = self.progress - self.checked[0], now - self.checked[1]
+        # Calls that take about CHECK_SECONDS at this rank's pace since the last check (one
+        # until there is a pace); the all-reduce keeps the smallest proposal (the max of -n).
+        proposal = 1 if self.checked[0] == 0 else min(
+            self.MAX_CALLS_BETWEEN_CHECKS, max(1, int(self.CHECK_SECONDS * calls / since)))
+        flags = torch.tensor([1.0 if PREEMPTION_SIGNALS_RECEIVED else 0.0, -proposal])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        stop, agreed = flags.tolist()
+        self.next_check, self.checked = self.progress + int(-agreed), (self.progress, now)
+        return stop > 0
 
 
 COLLECTIVE_FILES = (f"{os.sep}torch{os.sep}distributed{os.sep}",

@@ -173,8 +173,9 @@ def evaluate_split(model: torch.nn.Module, loader: DataLoader, device: torch.dev
 
     Pass the unwrapped model: DDP's forward may sync buffers, which would need every rank to run
     the same number of batches, and shards may differ by one sample. With a supervisor, every
-    rank checks for a preemption at each batch that all ranks have (shards differ by at most one
-    sample), and all of them return None when it comes.
+    rank asks it about a preemption at each batch that all ranks have (shards differ by at most
+    one sample; it checks at the first and then as often as in training), and all of them return
+    None when it comes.
     """
     was_training = model.training
     model.eval()
@@ -187,7 +188,7 @@ def evaluate_split(model: torch.nn.Module, loader: DataLoader, device: torch.dev
                         "use fewer processes than the split has samples")
     inputs = None
     for index, batch in enumerate(loader):
-        if index < common and supervisor.should_stop():
+        if index < common and supervisor.should_stop(first=index == 0):
             model.train(was_training)
             return None
         batch = to_device(batch, device)

@@ -335,7 +335,6 @@ def stop_for_preemption(s: Setup) -> None:
     s.log.close()
     with dist_utils.agree_on_errors():
         finish(s, "preempted")
-    s.supervisor.settle()
     raise dist_utils.Preempted(f"saved step {s.position.step} in {s.run_dir}; run the same "
                                "command again to continue from there")
 
@@ -354,7 +353,6 @@ def main(argv: list[str]) -> None:
     save_and_export(s, train_epochs(s))
     with dist_utils.agree_on_errors():  # summary.json, curves.png, the trackers' files
         finish(s, "done")
-    s.supervisor.settle()
     log.info("done: checkpoints in %s, the final model in %s, TensorBoard logs in %s",
              s.run_dir / "checkpoints", s.run_dir / checkpoint.MODEL_FILE, s.run_dir / "tb")
     log.info("evaluate with: ./run.sh evaluate.py eval.checkpoint=%s", s.run_dir)
@@ -466,7 +464,6 @@ def end_smoke_test(s: Setup, last_saved: int, started: float) -> None:
     save_and_export(s, last_saved)
     test = evaluate_split(unwrap(s.model), s.data.eval_loader("test", limit=1), s.device, s.task,
                           s.speed, s.cfg.eval.binned_thresholds, detail=False)
-    s.supervisor.settle()
     loss, test_loss = s.log.last.get("loss", math.nan), test.get("loss", math.nan)
     log.info("fast_dev_run ok in %.1f s on %d process(es): %d training steps (loss %.4f), a "
              "validation and a test batch on every rank (test loss %.4f), a checkpoint and the "

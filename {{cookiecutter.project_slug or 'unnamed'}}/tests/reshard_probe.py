@@ -58,7 +58,6 @@ def main(argv: list[str]) -> None:
             raise AssertionError("restored state differs: " + "; ".join(found[:10]))
         print(f"same state: {sum(len(part) for part in saved.values())} tensors", flush=True)
     s.log.close()
-    s.supervisor.settle()
 
 
 if __name__ == "__main__":
