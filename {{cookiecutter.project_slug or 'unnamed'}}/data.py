@@ -150,6 +150,10 @@ class DataModule:
         self.train_loader = self._loader(self.datasets["train"], self.micro_batch_size,
                                          self.train_sampler)
         self._eval_loaders: dict[tuple, DataLoader] = {}
+        # Optimizer steps per epoch (a last, smaller step takes what is left), or fewer with
+        # train.limit_train_batches. A plain number: the loop reads it every epoch.
+        self.steps_per_epoch = limited(cfg.train.limit_train_batches, math.ceil(
+            self.train_sampler.num_samples / self.batch_size_per_rank))
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Sampler) -> DataLoader:
         """A DataLoader giving `sampler`'s indices in batches of `batch_size` (the last may be
@@ -176,14 +180,7 @@ class DataModule:
 
     def _worker_seed(self, epoch: int) -> int:
         """Seeds of the worker processes: distinct for every (run.seed, epoch, rank)."""
-        return (self.cfg.run.seed * 1_000_003 + epoch) * 1_009 + self.env.rank
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps per epoch (a last, smaller step takes what is left), or fewer with
-        train.limit_train_batches."""
-        steps = math.ceil(self.train_sampler.num_samples / self.batch_size_per_rank)
-        return limited(self.cfg.train.limit_train_batches, steps)
+        return (self.train_sampler.seed * 1_000_003 + epoch) * 1_009 + self.env.rank
 
     @property
     def full_steps_per_epoch(self) -> int:

@@ -17,6 +17,7 @@ from config import UserError
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where PyTorch (2.4+) has a fused AdamW kernel
+NO_AUTOCAST = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class Speed:
     def autocast(self, device: torch.device):
         """Mixed precision for forward and loss (backward follows the forward's dtypes)."""
         if self.autocast_dtype is None:
-            return contextlib.nullcontext()
+            return NO_AUTOCAST
         return torch.autocast(device.type, dtype=self.autocast_dtype)
 
     @property

@@ -100,26 +100,23 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     the last one: the others run forward *and* backward inside no_sync(), since DDP decides in
     forward whether the coming backward will communicate.
     """
-    sizes = [count_samples(batch) for batch in micro_batches]
-    samples = sum(sizes)
-    values: dict[str, torch.Tensor] = {}
     optimizer.zero_grad(set_to_none=True)
-    for index, (batch, size) in enumerate(zip(micro_batches, sizes, strict=True)):
-        batch = to_device(batch, device)
-        skip_sync = index < len(micro_batches) - 1
-        with skip_gradient_sync(model) if skip_sync else contextlib.nullcontext():
-            with speed.autocast(device):
-                outputs = model(speed.inputs(task.model_inputs(batch)))
-                terms = loss_terms(task.loss(outputs, batch))
+    if len(micro_batches) == 1:  # no accumulation: the common case, with no bookkeeping
+        samples = count_samples(micro_batches[0])
+        values = forward_backward(model, micro_batches[0], task, device, speed, scaler)
+    else:
+        sizes = [count_samples(batch) for batch in micro_batches]
+        samples = sum(sizes)
+        values = {}
+        for index, (batch, size) in enumerate(zip(micro_batches, sizes, strict=True)):
             # Each micro-batch's mean loss weighted by its share of the step's samples: the
             # accumulated gradient is that of the mean over the whole step, as without
             # accumulation. On the last micro-batch DDP averages the gradients over ranks.
             share = size / samples
-            loss = terms["loss"] * share if share != 1 else terms["loss"]
-            (scaler.scale(loss) if scaler else loss).backward()
-        with torch.no_grad():
-            for name, value in {**terms, **task.train_scalars(outputs, batch)}.items():
-                value = value.detach() * share if share != 1 else value.detach()
+            with (skip_gradient_sync(model) if index < len(micro_batches) - 1
+                  else contextlib.nullcontext()):
+                part = forward_backward(model, batch, task, device, speed, scaler, share)
+            for name, value in part.items():
                 values[name] = values[name] + value if name in values else value
     grad_norm = None
     if grad_clip:
@@ -134,6 +131,24 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     else:
         optimizer.step()
     return values, samples, grad_norm
+
+
+def forward_backward(model: torch.nn.Module, batch, task: Task, device: torch.device,
+                     speed: Speed, scaler: torch.amp.GradScaler | None, share: float = 1.0
+                     ) -> dict[str, torch.Tensor]:
+    """Forward and backward of one micro-batch whose loss counts `share` of the step's; returns
+    its logged values (detached), times `share`."""
+    batch = to_device(batch, device)
+    with speed.autocast(device):
+        outputs = model(speed.inputs(task.model_inputs(batch)))
+        terms = loss_terms(task.loss(outputs, batch))
+    loss = terms["loss"] if share == 1 else terms["loss"] * share
+    (scaler.scale(loss) if scaler else loss).backward()
+    with torch.no_grad():
+        terms.update(task.train_scalars(outputs, batch))
+        if share == 1:
+            return {name: value.detach() for name, value in terms.items()}
+        return {name: value.detach() * share for name, value in terms.items()}
 
 
 class NoBar:

@@ -104,3 +104,28 @@ def test_a_checkpoint_waits_until_the_trackers_hold_every_window_before_it(tmp_p
     assert tracker.steps == list(range(1, 31))
     assert [r["step"] for r in records(tmp_path / "train_log.jsonl")] == list(range(1, 31))
     train_log.close()
+
+
+def test_a_window_sums_the_same_kept_as_numbers_or_as_tensors(tmp_path):
+    # The CPU keeps a window's values as numbers, an accelerator as tensors (read at the window's
+    # end only); both weigh each step by its samples, an epoch's smaller last step included.
+    env = DistEnv(rank=0, local_rank=0, world_size=1, launched=False)
+    windows = {}
+    for kept in ("numbers", "tensors"):
+        train_log = TrainingLog(tmp_path / kept, env, torch.device("cpu"))
+        train_log.on_cpu = kept == "numbers"
+        generator = torch.Generator().manual_seed(0)
+        for step in range(1, 8):
+            loss, accuracy = torch.rand(2, generator=generator)
+            train_log.add_step({"loss": loss, "accuracy": accuracy}, samples=3 if step == 7 else 8)
+        train_log.flush(7, lr=0.1)
+        train_log.close()
+        (windows[kept],) = records(tmp_path / kept / "train_log.jsonl")
+    numbers, tensors = windows["numbers"], windows["tensors"]
+    values = torch.rand(7, 2, generator=torch.Generator().manual_seed(0)).double()
+    weights = torch.tensor([8.0] * 6 + [3.0], dtype=torch.float64)
+    expected = (values * weights[:, None]).sum(0) / weights.sum()
+    assert math.isclose(numbers["loss"], expected[0].item(), rel_tol=1e-12)
+    assert math.isclose(numbers["accuracy"], expected[1].item(), rel_tol=1e-12)
+    assert math.isclose(tensors["loss"], numbers["loss"], rel_tol=1e-12)
+    assert math.isclose(tensors["accuracy"], numbers["accuracy"], rel_tol=1e-12)
