@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_distributed import assert_same_numbers, evaluate_with
 from test_faults import epoch_records, finish, kill_worker, launch, logged_steps, wait_for
 
@@ -70,6 +71,10 @@ def test_fsdp_killed_at_a_random_step_resumes_bitwise(tmp_path, uninterrupted, t
     steps = [json.loads(line)["step"] for line in
              (run_dir / "train_log.jsonl").read_text().splitlines()]
     assert steps == list(range(1, TOTAL_STEPS + 1))
+    # TensorBoard too: the steps the restarted job logged again replace the killed job's.
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("train/loss")] == steps
 
 
 @pytest.mark.slow
