@@ -86,7 +86,8 @@ class Task:
         raise NotImplementedError
 
     def train_scalars(self, outputs, batch) -> dict[str, torch.Tensor]:
-        """Numbers logged every step besides the loss, each a mean over the batch."""
+        """Numbers logged every step besides the loss, each a mean over the batch. `outputs`
+        are detached from the graph: nothing computed here is differentiated."""
         return {}
 
     # -- evaluation -------------------------------------------------------------------------------

@@ -36,18 +36,29 @@ from splits import Splits
 log = logging.getLogger("ddp")
 
 
+def map_tensors(function, nested):
+    """`function` applied to every tensor of a batch or a model output: a tensor, or a tuple /
+    list / dict of them (nested); anything else is kept as it is."""
+    if isinstance(nested, torch.Tensor):
+        return function(nested)
+    if isinstance(nested, dict):
+        return {key: map_tensors(function, value) for key, value in nested.items()}
+    if isinstance(nested, list | tuple):
+        return type(nested)(map_tensors(function, value) for value in nested)
+    return nested
+
+
 def to_device(batch, device: torch.device):
     """A batch (tensor, or tuple / list / dict of them, nested) on `device`, copied
     asynchronously from pinned memory when the loader pinned it."""
     if device.type == "cpu":  # CPU training: the loader's tensors are already there
         return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, list | tuple):
-        return type(batch)(to_device(value, device) for value in batch)
-    return batch
+    return map_tensors(lambda tensor: tensor.to(device, non_blocking=True), batch)
+
+
+def detached(outputs):
+    """Model outputs without their graph."""
+    return map_tensors(torch.Tensor.detach, outputs)
 
 
 def count_samples(batch) -> int:

@@ -28,7 +28,7 @@ from torch.utils.data import BatchSampler, DataLoader
 import dist_utils
 from builtin_tasks import Task
 from config import UserError
-from data import EvalShardSampler, count_samples, to_device
+from data import EvalShardSampler, count_samples, map_tensors, to_device
 from dist_utils import Supervisor
 from parallel import is_sharded
 from speed import FLOAT32, Speed
@@ -49,13 +49,8 @@ def loss_terms(loss) -> dict[str, torch.Tensor]:
 def as_float64(outputs):
     """Model outputs (a tensor, or a dict / tuple of them) in float64, whatever the autocast:
     metrics and the evaluation loss are computed in double precision."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs.double() if outputs.is_floating_point() else outputs
-    if isinstance(outputs, dict):
-        return {key: as_float64(value) for key, value in outputs.items()}
-    if isinstance(outputs, list | tuple):
-        return type(outputs)(as_float64(value) for value in outputs)
-    return outputs
+    return map_tensors(lambda tensor: tensor.double() if tensor.is_floating_point() else tensor,
+                       outputs)
 
 
 def shard_sizes(loader: DataLoader) -> list[int] | None:

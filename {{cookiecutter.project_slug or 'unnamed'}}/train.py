@@ -36,7 +36,7 @@ import trackers
 from builtin_tasks import Task, build_task
 from checkpoint import Position
 from config import load_config
-from data import DataModule, count_samples, to_device
+from data import DataModule, count_samples, detached, to_device
 from evaluation import evaluate_split, loss_terms, scalars
 from parallel import ModelState, build_model, full_tensor, skip_gradient_sync, unwrap, wrap_model
 from profiling import StepProfiler
@@ -144,11 +144,12 @@ def forward_backward(model: torch.nn.Module, batch, task: Task, device: torch.de
         terms = loss_terms(task.loss(outputs, batch))
     loss = terms["loss"] if share == 1 else terms["loss"] * share
     (scaler.scale(loss) if scaler else loss).backward()
-    with torch.no_grad():
-        terms.update(task.train_scalars(outputs, batch))
-        if share == 1:
-            return {name: value.detach() for name, value in terms.items()}
-        return {name: value.detach() * share for name, value in terms.items()}
+    # The task's scalars are computed from outputs cut off the graph: they build none, with no
+    # no_grad() context to enter and leave every step.
+    terms.update(task.train_scalars(detached(outputs), batch))
+    if share == 1:
+        return {name: value.detach() for name, value in terms.items()}
+    return {name: value.detach() * share for name, value in terms.items()}
 
 
 class NoBar:

@@ -41,11 +41,6 @@ from dist_utils import DistEnv
 log = logging.getLogger("ddp")
 
 
-def _append_json(path: Path, record: dict) -> None:
-    with open(path, "a") as handle:
-        handle.write(json.dumps(record) + "\n")
-
-
 def _keep_records(path: Path, keep) -> None:
     """Rewrite a JSON-lines file with only the records `keep` accepts (atomically)."""
     if path.exists():
@@ -107,6 +102,7 @@ class Writer:
     def __init__(self, run_dir: Path, purge_step: int | None, trackers=None):
         self.run_dir, self.trackers = run_dir, trackers
         self.tensorboard = EventFile(run_dir / "tb", purge_step)
+        self.files: dict = {}  # file name -> open handle, appended to a line at a time
         self.failed: BaseException | None = None
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = None
@@ -121,13 +117,22 @@ class Writer:
         if not self.failed:
             try:
                 self.tensorboard.scalars(scalars, step)
-                _append_json(self.run_dir / file_name, record)
+                self._append(file_name, json.dumps(record) + "\n")
             except OSError as error:  # a full disk, say: say so once; training goes on
                 self.failed = error
                 log.warning("cannot write the training log in %s (%s): training goes on; a "
                             "checkpoint that cannot be written stops it", self.run_dir, error)
         if self.thread:
             self.queue.put((scalars if tracked is None else tracked, step))
+
+    def _append(self, file_name: str, line: str) -> None:
+        """One line, on disk as soon as written (flushed: a killed job loses no record); the
+        file stays open, an open and a close a record cost more than the write."""
+        handle = self.files.get(file_name)
+        if handle is None:
+            handle = self.files[file_name] = open(self.run_dir / file_name, "a")  # noqa: SIM115
+        handle.write(line)
+        handle.flush()
 
     def _track(self) -> None:
         while (item := self.queue.get()) is not None:
@@ -149,8 +154,9 @@ class Writer:
         if self.thread is not None:
             self.queue.put(None)
             self.thread.join()
-        with contextlib.suppress(OSError):
-            self.tensorboard.close()
+        for handle in (self.tensorboard, *self.files.values()):
+            with contextlib.suppress(OSError):  # a full disk: said already, when writing
+                handle.close()
 
 
 class TrainingLog:

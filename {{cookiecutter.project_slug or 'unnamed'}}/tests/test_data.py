@@ -5,7 +5,7 @@ import torch
 
 from config import load_config
 from conftest import TINY, TINY_SPLIT, fixture
-from data import DataModule, EvalShardSampler, count_samples, to_device
+from data import DataModule, EvalShardSampler, count_samples, map_tensors, to_device
 from dist_utils import DistEnv
 from splits import TensorSamples
 
@@ -47,6 +47,9 @@ def test_batches_of_tuples_and_dicts_move_whole():
              "name": "kept"}
     moved = to_device(batch, torch.device("cpu"))
     assert moved["name"] == "kept" and isinstance(moved["extra"], tuple)
+    doubled = map_tensors(lambda tensor: tensor * 2, batch)  # what to_device does on a GPU
+    assert doubled["name"] == "kept" and isinstance(doubled["extra"][1], list)
+    assert doubled["features"].eq(2).all() and doubled["extra"][1][0].eq(2).all()
     assert count_samples(moved) == 3 and count_samples((torch.ones(5, 1), torch.ones(5))) == 5
     samples = TensorSamples(torch.arange(6.0)[:, None], torch.arange(6))
     assert samples[2][0].shape == (1,) and samples[[1, 2]][0].shape == (2, 1)

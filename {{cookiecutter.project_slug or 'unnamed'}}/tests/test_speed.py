@@ -67,6 +67,29 @@ def test_mixed_precision_step_clips_the_unscaled_gradients(dtype):
     assert clipped.item() == pytest.approx(0.01, rel=1e-3)  # ... and clipped to optim.grad_clip
 
 
+def test_the_task_scalars_get_outputs_without_a_graph():
+    """train_step hands the task's train_scalars outputs cut off the graph (no no_grad()
+    context is entered): what they compute builds none and needs no detach."""
+    cfg = load_config(TINY)
+    data = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
+    task = build_task(cfg, data.splits)
+    seen = []
+
+    def train_scalars(outputs, batch):
+        seen.append(outputs.requires_grad)
+        return {"mean_logit": outputs.mean()}
+
+    task.train_scalars = train_scalars
+    model = build_model(cfg.model, task.input_shape(data.datasets["train"][0]), task.num_outputs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    values, _, _ = train_step(model, optimizer, next(data.train_steps(0)), task,
+                              torch.device("cpu"))
+    assert seen == [False]
+    assert set(values) == {"loss", "mean_logit"}
+    assert not any(value.requires_grad for value in values.values())
+    assert all(p.grad is not None for p in model.parameters())  # the loss was differentiated
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("settings", "shown"),
