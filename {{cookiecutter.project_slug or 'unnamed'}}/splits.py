@@ -32,6 +32,9 @@ class Splits:
     target_std: float = 1.0  # reports metrics in the target's own units
 
 
+ONE_INDEX = (int, np.integer)  # a tuple built once: `int | np.integer` would build a union a call
+
+
 class TensorSamples(Dataset):
     """Samples held in memory as two tensors (inputs, targets), row i being sample i.
 
@@ -53,7 +56,7 @@ class TensorSamples(Dataset):
         return len(self.targets)
 
     def __getitem__(self, index):
-        if isinstance(index, int | np.integer):
+        if isinstance(index, ONE_INDEX):
             inputs, target = self[[int(index)]]
             return inputs[0], target[0]
         index = torch.as_tensor(index)  # once for both tensors (a list would be converted twice)
