@@ -1,5 +1,6 @@
 """Baking: answers flow into the files that need them, and nothing of Jinja is left over."""
 
+import ast
 import os
 import stat
 import sys
@@ -90,6 +91,30 @@ def test_default_bake_has_no_slurm_file_and_a_clean_run_sh(cookies):
     assert not (project / "slurm.sbatch").exists()  # files that do not apply are not generated
     checked = shellcheck(project / "run.sh")
     assert checked.returncode == 0, checked.stdout
+
+
+def test_the_baked_code_reads_in_screens(cookies):
+    """No function of the baked project is over 80 lines; train.py has no nested function and its
+    loop over epochs and steps fits on one screen (50 lines)."""
+    project = cookies.bake().project_path
+    lengths = {}
+    for path in project.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                where = f"{path.relative_to(project)}:{node.lineno} {node.name}"
+                lengths[where] = node.end_lineno - node.lineno + 1
+    assert len(lengths) > 300  # every module was read
+    assert {where: n for where, n in lengths.items() if n > 80} == {}
+    trainer = ast.parse((project / "train.py").read_text())
+    nested = [f"{outer.name} > {getattr(inner, 'name', 'lambda')}"
+              for outer in ast.walk(trainer) if isinstance(outer, ast.FunctionDef)
+              for inner in ast.walk(outer)
+              if inner is not outer and isinstance(inner, ast.FunctionDef | ast.Lambda)]
+    assert nested == []
+    (train_epochs,) = [node for node in trainer.body
+                       if isinstance(node, ast.FunctionDef) and node.name == "train_epochs"]
+    (epochs_loop,) = [node for node in train_epochs.body if isinstance(node, ast.While)]
+    assert epochs_loop.end_lineno - epochs_loop.lineno + 1 <= 50
 
 
 @pytest.mark.slow
