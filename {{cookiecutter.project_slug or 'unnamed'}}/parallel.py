@@ -9,6 +9,7 @@ which of the two it is from the training loop. The models themselves are in buil
 """
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from builtin_models import MODELS
+from checkpoint import rng_state, set_rng_state
 from config import lookup
 from dist_utils import DistEnv
 from speed import Speed
@@ -167,6 +169,54 @@ def wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv, device: torch.de
     return model
 
 
+def settle_gradient_buckets(model: nn.Module, forward_backward: Callable[[], object]) -> None:
+    """Give a resumed DDP process the gradient buckets an uninterrupted run has from step 2 on.
+
+    DDP lays its buckets out twice: at wrapping, then again before the second forward, in the
+    order the first backward produced the gradients. An all-reduce sums an element over the
+    ranks in an order that depends on where the element sits in its bucket; with two ranks the
+    order does not matter (a + b == b + a), with three or more it does (measured: 1e-8 apart
+    after a resume at 3 processes). So a resumed process, whose first step would run in the
+    first layout where the uninterrupted run was in the second, first runs `forward_backward`
+    (one micro-batch, collective) and throws it away: weights, buffers (BatchNorm statistics),
+    gradients and every random generator are left as they were.
+    """
+    ddp = _ddp_of(model)
+    if ddp is None or (ddp.find_unused_parameters and not ddp.static_graph):
+        return  # FSDP or one process (no buckets), or DDP keeping its first layout throughout
+    buffers = [buffer.detach().clone() for buffer in ddp.module.buffers()]
+    generators = rng_state()
+    forward_backward()
+    with torch.no_grad():
+        for buffer, saved in zip(ddp.module.buffers(), buffers, strict=True):
+            buffer.copy_(saved)
+    set_rng_state(generators)
+    for parameter in ddp.module.parameters():
+        parameter.grad = None
+
+
+def _ddp_of(model: nn.Module) -> DistributedDataParallel | None:
+    """The DDP wrapper of a model (under torch.compile's), None if it has none."""
+    while not isinstance(model, DistributedDataParallel):
+        if not hasattr(model, "_orig_mod"):
+            return None
+        model = model._orig_mod
+    return model
+
+
+def with_rank0_buffers(model: nn.Module) -> nn.Module:
+    """The user's module, its buffers (BatchNorm's running statistics) made rank 0's on every
+    rank (collective). Under DDP each rank updates its own in its forward, and DDP copies rank
+    0's to the others at the start of the next: so what every rank evaluates, and what a
+    checkpoint holds (DCP saves one copy of a tensor all ranks have, from any of them), is
+    what training goes on with. Nothing changes for training: DDP would copy them anyway."""
+    ddp = _ddp_of(model)
+    if ddp is not None and ddp.broadcast_buffers:
+        for buffer in ddp.module.buffers():
+            dist.broadcast(buffer, src=0)
+    return unwrap(model)
+
+
 def is_sharded(model: nn.Module) -> bool:
     return isinstance(unwrap(model), FSDPModule)
 
@@ -207,11 +257,12 @@ class ModelState:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  whole: bool = False):
-        self.model, self.optimizer = unwrap(model), optimizer
+        self.wrapped, self.model, self.optimizer = model, unwrap(model), optimizer
         self.options = StateDictOptions(full_state_dict=True, cpu_offload=True) if whole else None
 
     def state_dict(self) -> dict:
         if self.optimizer is None:
+            with_rank0_buffers(self.wrapped)
             return get_model_state_dict(self.model, options=self.options)
         return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
 

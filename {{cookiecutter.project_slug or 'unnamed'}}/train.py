@@ -38,7 +38,15 @@ from checkpoint import Position
 from config import load_config
 from data import DataModule, count_samples, detached, to_device
 from evaluation import evaluate_split, loss_terms, scalars
-from parallel import ModelState, build_model, full_tensor, skip_gradient_sync, unwrap, wrap_model
+from parallel import (
+    ModelState,
+    build_model,
+    full_tensor,
+    settle_gradient_buckets,
+    skip_gradient_sync,
+    with_rank0_buffers,
+    wrap_model,
+)
 from profiling import StepProfiler
 from speed import FLOAT32, Speed, build_optimizer, grad_scaler, resolve_speed
 from speed import describe as describe_speed
@@ -191,6 +199,7 @@ class Setup:
     supervisor: dist_utils.Supervisor  # preemption signals and stalls
     checkpointer: checkpoint.Checkpointer
     trackers: trackers.Trackers | None  # MLflow / W&B, rank 0 only, when the config asks
+    buckets_settled: bool = False  # resumed: see epoch_steps
 
     def parts(self) -> dict:
         """Everything a checkpoint saves and a resume restores, by name."""
@@ -390,7 +399,7 @@ def train_epochs(s: Setup) -> int:
         bar = tqdm(total=data.steps_per_epoch, initial=position.step_in_epoch, leave=False,
                    desc=f"epoch {position.epoch + 1}/{epochs}") if show_bar else NO_BAR
         epoch_start = time.perf_counter()
-        for micro_batches in data.train_steps(position.epoch, position.step_in_epoch):
+        for micro_batches in epoch_steps(s):
             values, samples, grad_norm = train_step(model, s.optimizer, micro_batches, task,
                                                     s.device, s.speed, s.scaler, grad_clip)
             train_log.add_step(values, samples, grad_norm)
@@ -417,9 +426,10 @@ def train_epochs(s: Setup) -> int:
         train_log.flush(position.step, s.scheduler.get_last_lr()[0])
         bar.close()
         train_seconds = time.perf_counter() - epoch_start
-        # Validation: the exact, sharded evaluation of evaluate.py, on the unwrapped model.
-        val = evaluate_split(unwrap(model), data.eval_loader("val", limit_val), s.device, task,
-                             s.speed, cfg.eval.binned_thresholds, detail=False,
+        # Validation: the exact, sharded evaluation of evaluate.py, on the unwrapped model (the
+        # same on every rank: BatchNorm statistics are rank 0's, as DDP's next forward has them).
+        val = evaluate_split(with_rank0_buffers(model), data.eval_loader("val", limit_val),
+                             s.device, task, s.speed, cfg.eval.binned_thresholds, detail=False,
                              supervisor=s.supervisor)
         if val is None:  # preempted during validation: it runs again after the resume
             stop_for_preemption(s)
@@ -433,6 +443,19 @@ def train_epochs(s: Setup) -> int:
             position.epoch, position.step_in_epoch = position.epoch + 1, 0
     profiler.close()
     return last_saved
+
+
+def epoch_steps(s: Setup):
+    """The micro-batches of the epoch's steps from the position on. The first step of a resumed
+    process runs its first micro-batch once more before, thrown away: DDP then all-reduces in
+    the bucket layout the uninterrupted run had at that step (parallel.settle_gradient_buckets),
+    and the resumed run stays bitwise equal to it at any process count."""
+    for micro_batches in s.data.train_steps(s.position.epoch, s.position.step_in_epoch):
+        if s.resumed and not s.buckets_settled:
+            settle_gradient_buckets(s.model, functools.partial(
+                forward_backward, s.model, micro_batches[0], s.task, s.device, s.speed, None))
+            s.buckets_settled = True
+        yield micro_batches
 
 
 def save_and_export(s: Setup, last_saved: int) -> None:
@@ -478,8 +501,8 @@ def end_smoke_test(s: Setup, last_saved: int, started: float) -> None:
     """After the smoke test's training steps: a checkpoint, the export, one test batch on every
     rank; then "ok" with what ran."""
     save_and_export(s, last_saved)
-    test = evaluate_split(unwrap(s.model), s.data.eval_loader("test", limit=1), s.device, s.task,
-                          s.speed, s.cfg.eval.binned_thresholds, detail=False)
+    test = evaluate_split(with_rank0_buffers(s.model), s.data.eval_loader("test", limit=1),
+                          s.device, s.task, s.speed, s.cfg.eval.binned_thresholds, detail=False)
     loss, test_loss = s.log.last.get("loss", math.nan), test.get("loss", math.nan)
     log.info("fast_dev_run ok in %.1f s on %d process(es): %d training steps (loss %.4f), a "
              "validation and a test batch on every rank (test loss %.4f), a checkpoint and the "

@@ -5,6 +5,7 @@ one-file export evaluates like the checkpoint, and loading never runs code."""
 import json
 import pickle
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -75,6 +76,51 @@ def test_fsdp_killed_at_a_random_step_resumes_bitwise(tmp_path, uninterrupted, t
     events = EventAccumulator(str(run_dir / "tb"))
     events.Reload()
     assert [event.step for event in events.Scalars("train/loss")] == steps
+
+
+# DDP at 3 processes: a sum over three ranks depends on the order of its terms, which DDP's
+# gradient buckets decide; a resumed process must all-reduce in the layout the uninterrupted
+# run had at that step (parallel.settle_gradient_buckets). Dropout and BatchNorm on.
+DDP3 = [*TINY, "train.epochs=4", "train.log_every=1", "train.ckpt_every=7",
+        "train.keep_checkpoints=0", "model.dropout=0.1", "model.batchnorm=true"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_at_3(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted-3")
+    result = run(["./run.sh", *DDP3, f"run.output_dir={out}"], NPROC_PER_NODE="3")
+    assert result.returncode == 0, result.stdout
+    return only_run_dir(out)
+
+
+@pytest.mark.slow
+def test_ddp_resumed_from_any_checkpoint_at_3_processes_is_bitwise(tmp_path, uninterrupted_at_3):
+    copy = tmp_path / "run"
+    shutil.copytree(uninterrupted_at_3, copy)
+    for later in list_checkpoints(copy / "checkpoints")[1:]:  # resume from step 7
+        shutil.rmtree(later)
+    (copy / MODEL_FILE).unlink()
+    result = run(["./run.sh", *DDP3, f"run.dir={copy}"], NPROC_PER_NODE="3")
+    assert result.returncode == 0, result.stdout
+    assert "resumed from" in result.stdout and "step 7," in result.stdout
+    assert_bitwise_equal(final_weights(copy), final_weights(uninterrupted_at_3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(TRIALS))
+def test_ddp_killed_at_a_random_step_and_rank_resumes_bitwise_at_3_processes(
+        tmp_path, uninterrupted_at_3, trial):
+    launcher = launch([*DDP3, f"run.output_dir={tmp_path}"], nproc=3)
+    pick = random.Random(1000 + trial)
+    kill_after = pick.randrange(8, TOTAL_STEPS - 3)  # after the first checkpoint
+    wait_for(lambda: logged_steps(tmp_path) >= kill_after, launcher, f"step {kill_after}")
+    kill_worker(launcher, pick.randrange(3))
+    output = finish(launcher)
+    assert launcher.returncode == 0, output
+    assert output.count("resumed from") == 1, output
+    run_dir = only_run_dir(tmp_path)
+    assert_bitwise_equal(final_weights(run_dir), final_weights(uninterrupted_at_3))
+    assert epoch_records(run_dir) == epoch_records(uninterrupted_at_3)
 
 
 @pytest.mark.slow

@@ -67,11 +67,11 @@ def logged_steps(output_dir: Path) -> int:
     return len(logs[0].read_text().splitlines()) if logs else 0
 
 
-def launch(args: list[str], **env: str) -> subprocess.Popen:
+def launch(args: list[str], nproc: int = 2, **env: str) -> subprocess.Popen:
     # A session of its own: if the job hangs, finish() can stop it and all its workers.
     return subprocess.Popen(["./run.sh", *args], cwd=PROJECT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=command_env(NPROC_PER_NODE="2", **env))
+                            env=command_env(NPROC_PER_NODE=str(nproc), **env))
 
 
 def finish(launcher: subprocess.Popen, timeout: float = 120) -> str:
