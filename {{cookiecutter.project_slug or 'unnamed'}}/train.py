@@ -315,6 +315,7 @@ def write_summary(s: Setup, status: str) -> None:
                "total_steps": s.total_steps, "world_size": s.env.world_size,
                "headline": s.task.headline, "higher_is_better": s.task.higher_is_better}
     if status != "running":
+        summary["throughput"] = s.log.throughput()  # this job's timed windows (training_log)
         history = report.read_run(s.run_dir)
         values = history.val_values()
         summary.update({"metric": f"val_{history.headline}", "best": history.best(),
@@ -378,6 +379,7 @@ def main(argv: list[str]) -> None:
     save_and_export(s, train_epochs(s))
     with dist_utils.agree_on_errors():  # summary.json, curves.png, the trackers' files
         finish(s, "done")
+    log.info(s.log.describe_throughput())
     log.info("done: checkpoints in %s, the final model in %s, TensorBoard logs in %s",
              s.run_dir / "checkpoints", s.run_dir / checkpoint.MODEL_FILE, s.run_dir / "tb")
     log.info("evaluate with: ./run.sh evaluate.py eval.checkpoint=%s", s.run_dir)
@@ -398,7 +400,6 @@ def train_epochs(s: Setup) -> int:
         train_log.start_epoch(resumed_within=position.step_in_epoch > 0)
         bar = tqdm(total=data.steps_per_epoch, initial=position.step_in_epoch, leave=False,
                    desc=f"epoch {position.epoch + 1}/{epochs}") if show_bar else NO_BAR
-        epoch_start = time.perf_counter()
         for micro_batches in epoch_steps(s):
             values, samples, grad_norm = train_step(model, s.optimizer, micro_batches, task,
                                                     s.device, s.speed, s.scaler, grad_clip)
@@ -423,9 +424,8 @@ def train_epochs(s: Setup) -> int:
                 last_saved = position.step
             if position.step == s.total_steps:
                 break
-        train_log.flush(position.step, s.scheduler.get_last_lr()[0])
+        train_log.end_training(position.step, s.scheduler.get_last_lr()[0])
         bar.close()
-        train_seconds = time.perf_counter() - epoch_start
         # Validation: the exact, sharded evaluation of evaluate.py, on the unwrapped model (the
         # same on every rank: BatchNorm statistics are rank 0's, as DDP's next forward has them).
         val = evaluate_split(with_rank0_buffers(model), data.eval_loader("val", limit_val),
@@ -433,9 +433,7 @@ def train_epochs(s: Setup) -> int:
                              supervisor=s.supervisor)
         if val is None:  # preempted during validation: it runs again after the resume
             stop_for_preemption(s)
-        val_seconds = time.perf_counter() - epoch_start - train_seconds
-        record = train_log.end_epoch(position.epoch + 1, position.step, scalars(val), {
-            "train": train_seconds, "val": val_seconds, "epoch": train_seconds + val_seconds})
+        record = train_log.end_epoch(position.epoch + 1, position.step, scalars(val))
         log.info("epoch %3d/%d  step %5d  %s", position.epoch + 1, epochs,
                  position.step, "  ".join(f"{name} {value:.4f}" for name, value in record.items()
                                           if isinstance(value, float)))

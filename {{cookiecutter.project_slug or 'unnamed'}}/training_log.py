@@ -17,6 +17,13 @@ next one starts, before a checkpoint, or at the end of the epoch:
                        values, plus epoch/<name> for the rest of an epoch's record
 
 A new value reaches all of them by being in the dict the task returns; nothing here names one.
+
+Time: windows and epochs are timed on one clock, read only once the device has finished the work
+queued so far (a GPU runs kernels asynchronously: without the wait, a window's clock would stop
+before its steps had run, and its rate and MFU would be too high). The wait comes at the window
+and epoch boundaries only, every log_every steps. A window's seconds are its training steps';
+writing the log and saving checkpoints fall between windows. The run's throughput headline
+leaves out the windows that include start-up or a torch.compile compilation.
 """
 
 import contextlib
@@ -27,6 +34,7 @@ import math
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -159,16 +167,40 @@ class Writer:
                 handle.close()
 
 
+def device_synchronizer(device: torch.device):
+    """A function that waits until `device` has finished the work queued on it (nothing to wait
+    for on the CPU)."""
+    if device.type == "cpu":
+        return lambda: None
+    module = getattr(torch, device.type)  # torch.cuda, torch.xpu, torch.mps, ...
+    if device.type == "mps":  # one device, no argument
+        return module.synchronize
+    return lambda: module.synchronize(device)
+
+
+def compilations() -> int:
+    """Frames torch.compile has compiled in this process so far (0 where torch does not say)."""
+    # Looked up, not imported: torch.compile loads it, and importing it costs a second.
+    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+    return int(counters["frames"]["ok"]) if counters is not None else 0
+
+
 class TrainingLog:
-    def __init__(self, run_dir: Path, env: DistEnv, device: torch.device, trackers=None):
+    def __init__(self, run_dir: Path, env: DistEnv, device: torch.device, trackers=None,
+                 clock=time.perf_counter, synchronize=None):
         self.run_dir, self.env, self.device, self.trackers = run_dir, env, device, trackers
+        # The clock and the wait for the device (tests give their own: time made deterministic).
+        self.clock = clock
+        self.synchronize = synchronize or device_synchronizer(device)
         self.purge_step = None  # resumed: TensorBoard hides what came after the checkpoint
         self.names: list[str] = []
         self.steps: list = []  # this window's (values, samples) of every step (see add_step)
         self.on_cpu = device.type == "cpu"
         self.grad_norm = None  # the last step's, before clipping
-        self.clock = time.perf_counter()  # start of the window's training time
+        self.window_start = self.epoch_start = self.validation_start = self.now()
         self.warming_up = True  # the first window of a process: its time includes start-up
+        self.compiled = compilations()  # a window in which this grows compiled: not timed
+        self.timed = {"samples": 0, "seconds": 0.0, "windows": 0, "left_out": 0}  # headline
         self.in_flight: list = []  # windows being all-reduced: (handle, sums, names, record)
         self.epoch_sums: dict[str, float] = {}
         self.last: dict = {}  # the last window written (for the progress bar)
@@ -195,9 +227,14 @@ class TrainingLog:
             self.steps.append((list(values.values()), samples))
         self.grad_norm = grad_norm  # a new tensor each step: keeping it needs no copy
 
+    def now(self) -> float:
+        """The clock, read once the device has run every step queued so far."""
+        self.synchronize()
+        return self.clock()
+
     def restart_clock(self) -> None:
-        """Time from here on counts as training time of the window (after validation, say)."""
-        self.clock = time.perf_counter()
+        """Time from here on counts as training time of the window (after a checkpoint, say)."""
+        self.window_start = self.now()
 
     def _window_sums(self) -> tuple[torch.Tensor, int]:
         """Every value summed over the window's steps, weighted by each step's samples, and the
@@ -228,12 +265,15 @@ class TrainingLog:
         """End the window at `step`: start its all-reduce (every rank calls this at the same
         steps) and write out any earlier window, whose all-reduce has had time to finish."""
         if self.steps:
+            seconds = self.now() - self.window_start
             sums, samples = self._window_sums()
             self.steps = []
-            record = {"step": step, "lr": lr, "samples": samples,
-                      "seconds": time.perf_counter() - self.clock}
+            record = {"step": step, "lr": lr, "samples": samples, "seconds": seconds}
+            compiled, self.compiled = self.compiled, compilations()
             if self.warming_up:  # first allocations, first DDP step: not a rate to report
                 record["seconds"], self.warming_up = None, False
+            self._count_for_headline(samples, seconds, timed=record["seconds"] is not None
+                                     and compiled == self.compiled)
             if self.grad_norm is not None:
                 record["grad_norm"] = self.grad_norm
             handle = dist_utils.all_reduce_sum_async(sums)
@@ -270,6 +310,37 @@ class TrainingLog:
                                 record["step"])
         self.last = record
 
+    def _count_for_headline(self, samples: int, seconds: float, timed: bool) -> None:
+        """The run's throughput headline adds up the windows without start-up or compilation."""
+        if timed:
+            self.timed["samples"] += samples
+            self.timed["seconds"] += seconds
+            self.timed["windows"] += 1
+        else:
+            self.timed["left_out"] += 1
+
+    def throughput(self) -> dict[str, float]:
+        """This process's training throughput over its timed windows (samples_per_s, per rank,
+        tflops_per_rank, mfu as a window's), and how many windows were left out; {} if none."""
+        if not self.timed["windows"]:
+            return {}
+        return {**self._rates(self.timed["samples"], self.timed["seconds"]),
+                "windows": self.timed["windows"], "windows_left_out": self.timed["left_out"]}
+
+    def describe_throughput(self) -> str:
+        """One line for the log: the headline throughput and what it leaves out."""
+        rates = self.throughput()
+        if not rates:
+            return "throughput: no timed window (too few steps after start-up)"
+        parts = [f"{rates['samples_per_s']:,.0f} samples/s",
+                 f"{rates['samples_per_s_per_rank']:,.0f} per rank"]
+        if "tflops_per_rank" in rates:
+            parts.append(f"{rates['tflops_per_rank']:.3g} TFLOP/s per rank")
+        if "mfu" in rates:
+            parts.append(f"MFU {rates['mfu']:.3f}")
+        return (f"throughput: {', '.join(parts)}, over {rates['windows']} window(s) of training "
+                f"steps ({rates['windows_left_out']} with start-up or compilation left out)")
+
     def _rates(self, samples: int, seconds: float) -> dict[str, float]:
         """Throughput of a window: samples/s of the job and of one rank (the ranks step
         together), the model TFLOP/s of one rank and, on a GPU of known peak, the MFU."""
@@ -284,14 +355,22 @@ class TrainingLog:
     # -- epochs -----------------------------------------------------------------------------------
 
     def start_epoch(self, resumed_within: bool) -> None:
-        """A new epoch's sums; kept when resuming part-way into it (they were in the checkpoint)."""
+        """A new epoch's sums; kept when resuming part-way into it (they were in the checkpoint).
+        The epoch's clock starts (training from here on)."""
         if not resumed_within:
             self.epoch_sums = {}
         self.restart_clock()
+        self.epoch_start = self.window_start
 
-    def end_epoch(self, epoch: int, step: int, val: dict, seconds: dict) -> dict:
+    def end_training(self, step: int, lr: float) -> None:
+        """The epoch's training steps are done (its last window ends); validation comes next."""
+        self.flush(step, lr)
+        self.validation_start = self.now()
+
+    def end_epoch(self, epoch: int, step: int, val: dict) -> dict:
         """The epoch's record: training means over the epoch, the validation metrics and the
-        time spent; written to metrics.jsonl and TensorBoard by rank 0."""
+        time spent (on the epoch's clock); written to metrics.jsonl and TensorBoard by rank 0."""
+        end = self.now()
         self.write_pending()
         samples = self.epoch_sums.get("samples", 0.0)
         record = {"epoch": epoch, "step": step}
@@ -299,7 +378,9 @@ class TrainingLog:
             record.update({f"train_{name}": total / samples
                            for name, total in self.epoch_sums.items() if name != "samples"})
         record.update({f"val_{name}": value for name, value in val.items()})
-        record.update({f"{name}_seconds": value for name, value in seconds.items()})
+        record.update({"train_seconds": self.validation_start - self.epoch_start,
+                       "val_seconds": end - self.validation_start,
+                       "epoch_seconds": end - self.epoch_start})
         if self.env.is_main:  # TensorBoard: the validation metrics (train/ has the windows)
             scalars = {f"val/{name}": value for name, value in val.items()}
             rest = {f"epoch/{name}": value for name, value in record.items()

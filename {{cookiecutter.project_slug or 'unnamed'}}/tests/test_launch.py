@@ -3,7 +3,6 @@ joined by torchrun's c10d rendezvous train exactly like one node with as many pr
 
 import socket
 import subprocess
-import time
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ def free_port() -> int:
 
 
 def test_nccl_without_cuda_stops_before_any_worker(tmp_path):
-    start = time.monotonic()
     result = run(["./run.sh", *TINY, "ddp.backend=nccl", f"run.output_dir={tmp_path}"],
                  NPROC_PER_NODE="4")
     assert result.returncode == 2
@@ -29,7 +27,7 @@ def test_nccl_without_cuda_stops_before_any_worker(tmp_path):
         "error: ddp.backend=nccl needs CUDA GPUs and this machine has none: use ddp.backend=gloo "
         "(or auto, which picks gloo on CPU)"]
     assert "torch.distributed" not in result.stdout  # torchrun never started
-    assert not tmp_path.joinpath("runs").exists() and time.monotonic() - start < 15
+    assert not tmp_path.joinpath("runs").exists()
 
 
 def test_taken_rendezvous_port_stops_the_head_node():
