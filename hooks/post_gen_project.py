@@ -32,15 +32,24 @@ for script in ("run.sh", "slurm.sbatch"):
     if path.exists():
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
+# Every printed command works as printed on this machine. A project made for several nodes
+# starts there with NNODES=1 (run.sh alone would stop: it needs the head node's address and a job
+# id); the job across the nodes is sbatch's, or README's "Several machines".
+if int("{{ cookiecutter.num_nodes }}") == 1:
+    here, train = "./run.sh", "train: {{ cookiecutter.gpus_per_node }} process(es)"
+else:
+    here = "NNODES=1 ./run.sh"
+    train = ("train on this machine alone: {{ cookiecutter.gpus_per_node }} process(es); all "
+             "{{ cookiecutter.num_nodes }} nodes: README, Several machines")
 print(f"""
 Created {project}
 
 Next steps:
   cd {project}
   python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[dev]'
-  ./run.sh                      # train: {{ cookiecutter.gpus_per_node }} process(es) per node, {{ cookiecutter.num_nodes }} node(s){% if cookiecutter.scheduler == "slurm" %}
-  sbatch slurm.sbatch           # the same under SLURM{% endif %}
-  ./run.sh evaluate.py eval.checkpoint=runs/<run folder>
+  {here:<29} # {train}{% if cookiecutter.scheduler == "slurm" %}
+  sbatch slurm.sbatch           # train under SLURM: {{ cookiecutter.num_nodes }} node(s) x {{ cookiecutter.gpus_per_node }} GPU(s){% endif %}
+  {here} evaluate.py eval.checkpoint=runs/<run folder>
   tensorboard --logdir runs
 See README.md for swapping in your own model and data.
 """)

@@ -2,6 +2,7 @@
 
 import ast
 import os
+import shlex
 import stat
 import sys
 import tomllib
@@ -142,24 +143,46 @@ def test_two_nodes_of_three_gpus_get_a_global_batch_for_six_processes(tmp_path):
     assert "global_batch_size: int = 66 " in (project / "config.py").read_text()
 
 
+def printed_commands(stdout: str) -> list[list[str]]:
+    """The run.sh commands among a bake's printed next steps, comments left off."""
+    return [shlex.split(line.split("#")[0]) for line in stdout.splitlines()
+            if "./run.sh" in line.split("#")[0]]
+
+
+def test_a_bake_for_two_nodes_says_how_to_start_on_one_machine(tmp_path):
+    result = run([sys.executable, "-m", "cookiecutter", TEMPLATE, "--no-input", "--output-dir",
+                  tmp_path, "gpus_per_node=3", "num_nodes=2"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stdout
+    assert printed_commands(result.stdout)[0] == ["NNODES=1", "./run.sh"]
+    project = tmp_path / "my_ddp_experiment"
+    assert "NNODES=1 ./run.sh " in (project / "README.md").read_text()  # its quick start too
+    # run.sh as it is, without NNODES: stopped before anything starts, with the way to go on.
+    plain = run(["./run.sh"], cwd=project, timeout=60)
+    assert plain.returncode == 2
+    assert plain.stdout.strip().splitlines() == [
+        "error: NNODES=2 needs MASTER_ADDR (the head node's address) and RDZV_ID (a job id), the "
+        "same on every node; to run on this machine alone, start it as NNODES=1 ./run.sh"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("answers", "env", "batch"),
-    [({"gpus_per_node": "3"}, {}, 66),
+    ("answers", "env", "processes", "batch"),
+    [({"gpus_per_node": "3"}, {}, 3, 66),
+     # The printed first command of a 2-node bake runs this machine's 3 processes of the job.
+     ({"gpus_per_node": "3", "num_nodes": "2"}, {}, 3, 66),
      # Two nodes of three run as six processes on this one machine (16 s here, 2026-12-04).
-     ({"gpus_per_node": "3", "num_nodes": "2"}, {"NNODES": "1", "NPROC_PER_NODE": "6"}, 66)],
-    ids=["3-gpus", "3-gpus-2-nodes-as-6-processes"],
+     ({"gpus_per_node": "3", "num_nodes": "2"}, {"NPROC_PER_NODE": "6"}, 6, 66)],
+    ids=["3-gpus", "3-gpus-2-nodes", "3-gpus-2-nodes-as-6-processes"],
 )
-def test_bake_trains_with_its_defaults_as_printed(tmp_path, answers, env, batch):
+def test_bake_trains_with_its_defaults_as_printed(tmp_path, answers, env, processes, batch):
     result = run([sys.executable, "-m", "cookiecutter", TEMPLATE, "--no-input", "--output-dir",
                   tmp_path, *(f"{k}={v}" for k, v in answers.items())], cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stdout
-    printed = [line.split("#")[0].strip() for line in result.stdout.splitlines()
-               if line.strip().startswith("./run.sh ")]
-    assert printed[0] == "./run.sh"  # the first command the bake tells the user to run
+    first = printed_commands(result.stdout)[0]  # the first command the bake tells the user to run
+    assert first[-1] == "./run.sh"
+    assignments = dict(word.split("=", 1) for word in first[:-1])  # NNODES=1 for several nodes
     project = tmp_path / "my_ddp_experiment"
-    trained = run(printed[0].split(), cwd=project, timeout=600, **env)
+    trained = run(first[-1:], cwd=project, timeout=600, **assignments, **env)
     assert trained.returncode == 0, trained.stdout
-    processes = int(answers["gpus_per_node"]) * int(answers.get("num_nodes", "1"))
     assert (f"effective global batch {batch} = {batch // processes} per micro-batch x "
             f"{processes} process(es)") in trained.stdout

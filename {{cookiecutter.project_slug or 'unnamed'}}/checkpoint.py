@@ -443,8 +443,10 @@ class Checkpointer:
                 self.pending = done
                 self.wait()
                 return
+            # No no_dist: the save() that async_save runs detects a single process itself, and
+            # async_save's own no_dist may be newer than the torch floor (2.9, for async_stager).
             upload = dcp.async_save(sharded, storage_writer=writer, process_group=self.group,
-                                    async_stager=self.stager, no_dist=not dist.is_initialized())
+                                    async_stager=self.stager)
         if isinstance(upload, AsyncSaveResponse):
             upload = upload.upload_completion
         done = Future()

@@ -81,6 +81,14 @@ def select_device(env: DistEnv, requested: str) -> torch.device:
     return torch.device("cuda", env.local_rank)
 
 
+# NCCL's flight recorder: the last collectives of every rank, dumped when one times out (to
+# /tmp/nccl_trace_rank_<rank> unless TORCH_FR_DUMP_TEMP_FILE says otherwise; read them with
+# `torchfrtrace`). Set for the nccl backend; your own settings of these variables win. Every torch
+# the project supports (2.9 on) reads the buffer's size as TORCH_FR_BUFFER_SIZE (its name since
+# 2.8); the old name, TORCH_NCCL_TRACE_BUFFER_SIZE, would only make torch warn at every start.
+FLIGHT_RECORDER_ENV = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
 def init_distributed(env: DistEnv, device: torch.device, backend: str, timeout_minutes: float):
     """Join the process group (when launched by torchrun); a no-op for a single process."""
     if device.type == "cuda":
@@ -99,12 +107,7 @@ def init_distributed(env: DistEnv, device: torch.device, backend: str, timeout_m
     if backend == "nccl" and device.type != "cuda":
         raise UserError("ddp.backend=nccl needs CUDA GPUs: use ddp.backend=gloo on CPU")
     if backend == "nccl":
-        # NCCL's flight recorder: the last collectives of every rank, dumped when one times out
-        # (to /tmp/nccl_trace_rank_<rank> unless TORCH_FR_DUMP_TEMP_FILE says otherwise; read
-        # them with `torchfrtrace`). Your own settings of these variables win.
-        for name, value in (("TORCH_FR_BUFFER_SIZE", "2000"),
-                            ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),  # its name before torch 2.7
-                            ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")):
+        for name, value in FLIGHT_RECORDER_ENV.items():
             os.environ.setdefault(name, value)
     dist.init_process_group(
         backend=backend,

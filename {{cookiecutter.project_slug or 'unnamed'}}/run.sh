@@ -8,6 +8,7 @@
 # Environment (defaults from the project's generation):
 #   NPROC_PER_NODE  processes on this machine (default {{ cookiecutter.gpus_per_node }})
 #   NNODES          machines in the job (default {{ cookiecutter.num_nodes }}); 1 uses torchrun --standalone
+#                   (NNODES=1 ./run.sh runs a project made for several nodes on this machine)
 #   MASTER_ADDR     several nodes: the head node's address, the same on every node
 #   MASTER_PORT     several nodes: the rendezvous port on the head node (default 29500)
 #   RDZV_ID         several nodes: a job id, the same on every node and new for every job
@@ -15,11 +16,14 @@
 #   NODE_RANK       optional: 0 on the head node makes the preflight check the port is free
 #   MAX_RESTARTS    restarts of failed workers (default 3); train.py resumes from the latest
 #                   checkpoint. 0 while debugging.
-#   SHUTDOWN_TIMEOUT seconds the workers get to save a checkpoint after SIGTERM / SIGUSR1
-#                   (default 120), before torchrun kills them
+#   SHUTDOWN_TIMEOUT seconds torchrun gives the workers to leave after a signal it handles
+#                   (SIGINT, SIGHUP, SIGQUIT) before it kills them (default 120; torch 2.12+, older
+#                   torchrun waits 30 s); see "Preemption" below for SIGTERM / SIGUSR1
+#   PYTHON          the Python that has the project's packages (default python3); torchrun is
+#                   the one on PATH
 #
-# Exit status: 0 done, 2 a mistake in the input (one line says which), 75 preempted (a
-# checkpoint was saved: run the same command again, with the same RDZV_ID or SLURM job, and it
+# Exit status: 0 done, 2 a mistake in the input or the setup (one line says which), 75 preempted
+# (a checkpoint was saved: run the same command again, with the same RDZV_ID or SLURM job, and it
 # continues), 1 the job stalled or failed (the report says which rank and where).
 #
 # OMP_NUM_THREADS defaults to this machine's cores divided by the processes (at least 1), so
@@ -31,6 +35,7 @@ nproc_per_node="${NPROC_PER_NODE:-{{ cookiecutter.gpus_per_node }}}"
 max_restarts="${MAX_RESTARTS:-3}"
 nnodes="${NNODES:-{{ cookiecutter.num_nodes }}}"
 python="${PYTHON:-python3}"
+shutdown_timeout="${SHUTDOWN_TIMEOUT:-120}"
 
 if ! [[ "$nproc_per_node" =~ ^[1-9][0-9]*$ ]]; then
   echo "error: NPROC_PER_NODE=$nproc_per_node is not valid: it must be a whole number of processes, at least 1" >&2
@@ -44,6 +49,10 @@ if ! [[ "$max_restarts" =~ ^[0-9]+$ ]]; then
   echo "error: MAX_RESTARTS=$max_restarts is not valid: it must be a whole number, 0 or more" >&2
   exit 2
 fi
+if ! [[ "$shutdown_timeout" =~ ^[0-9]+$ ]]; then
+  echo "error: SHUTDOWN_TIMEOUT=$shutdown_timeout is not valid: it must be a whole number of seconds" >&2
+  exit 2
+fi
 
 script=train.py
 if [[ $# -gt 0 && "$1" == *.py ]]; then
@@ -54,6 +63,59 @@ if [[ ! -f "$script" ]]; then
   echo "error: $script not found in $(pwd): run train.py, evaluate.py or another script of this project" >&2
   exit 2
 fi
+
+if [[ "$nnodes" -eq 1 ]]; then
+  rendezvous=(--standalone --nnodes=1)
+  endpoint=""
+else
+  rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-}}"
+  if [[ -z "${MASTER_ADDR:-}" || -z "$rdzv_id" ]]; then
+    echo "error: NNODES=$nnodes needs MASTER_ADDR (the head node's address) and RDZV_ID (a job id), the same on every node; to run on this machine alone, start it as NNODES=1 ./run.sh" >&2
+    exit 2
+  fi
+  endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
+  rendezvous=(--nnodes="$nnodes" --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$rdzv_id")
+fi
+
+# The project's packages (pyproject.toml's dependencies: the name to import, then pip's), looked
+# up without importing them, so that a Python without them gets one line instead of a traceback.
+packages=(torch:torch numpy:numpy omegaconf:omegaconf sklearn:scikit-learn tensorboard:tensorboard
+          matplotlib:matplotlib tqdm:tqdm)
+if ! command -v "$python" >/dev/null 2>&1; then
+  echo "error: $python not found: set PYTHON to the Python that has the project's packages (README: Quick start)" >&2
+  exit 2
+fi
+if ! missing="$("$python" -c 'import importlib.util as u, sys
+print(", ".join(p.split(":")[1] for p in sys.argv[1:] if u.find_spec(p.split(":")[0]) is None))' \
+  "${packages[@]}" 2>/dev/null)"; then
+  echo "error: $python could not look up the project's packages: set PYTHON to a Python 3.10+ that has them (README: Quick start)" >&2
+  exit 2
+fi
+if [[ -n "$missing" ]]; then
+  echo "error: $(command -v "$python") lacks the project's packages ($missing): activate the project's environment, or run pip install -e . there (README: Quick start)" >&2
+  exit 2
+fi
+if ! command -v torchrun >/dev/null 2>&1; then
+  echo "error: torchrun not found on PATH: activate the project's environment (pip install -e . puts torchrun there)" >&2
+  exit 2
+fi
+
+# Temporary files of this launch, removed however it ends.
+status_file="$(mktemp "${TMPDIR:-/tmp}/run-sh-status.XXXXXX")"
+help_file="$status_file.help"
+help_pid=""
+# shellcheck disable=SC2329  # called by the trap below
+cleanup() {
+  if [[ -n "$help_pid" ]]; then kill "$help_pid" 2>/dev/null || true; fi
+  rm -f "$status_file" "$status_file.reported" "$help_file"
+}
+trap cleanup EXIT
+
+# The flags torchrun has differ between torch versions, and torchrun stops at one it does not
+# know: its --help lists those it has. Reading it costs about an import of torch, so it runs
+# while the preflight checks the command line.
+torchrun --help >"$help_file" 2>&1 &
+help_pid=$!
 
 if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
   cores=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
@@ -66,19 +128,6 @@ fi
 # (pytorch/pytorch#135712). Each attempt then gets a fresh store, hosted by its rank 0.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
-if [[ "$nnodes" -eq 1 ]]; then
-  rendezvous=(--standalone --nnodes=1)
-  endpoint=""
-else
-  rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-}}"
-  if [[ -z "${MASTER_ADDR:-}" || -z "$rdzv_id" ]]; then
-    echo "error: NNODES=$nnodes needs MASTER_ADDR (the head node's address) and RDZV_ID (a job id), the same on every node" >&2
-    exit 2
-  fi
-  endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
-  rendezvous=(--nnodes="$nnodes" --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$rdzv_id")
-fi
-
 # Check the command line and this machine before any worker starts: one line, in a second.
 "$python" preflight.py --nproc-per-node "$nproc_per_node" --nnodes "$nnodes" --script "$script" \
   --endpoint "$endpoint" --node-rank "${NODE_RANK:-}" "$@"
@@ -88,22 +137,33 @@ fi
 # `stalled` (a rank never reached a collective; the report names it). The workers then exit 0,
 # so torchrun does not restart them (the mistake or the stall would only come back, and a
 # preempted job is about to be killed), and this script exits 2, 75 or 1.
-status_file="$(mktemp "${TMPDIR:-/tmp}/run-sh-status.XXXXXX")"
-trap 'rm -f "$status_file" "$status_file.reported"' EXIT
 export RUN_SH_STATUS_FILE="$status_file"
 
 # Preemption: SLURM (or another scheduler) sends SIGTERM or SIGUSR1 before it kills a job. Every
 # worker handles them itself (train.py saves a checkpoint at the step all ranks agree on); this
-# script passes them on to the workers (torchrun's children). torchrun ignores the two (torch
-# 2.13+: they are not among its --signals-to-handle), so it neither kills the saving workers nor
-# prints a traceback; it waits for them to leave. Older torch: torchrun passes the signal on
-# and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds.
-shutdown_timeout="${SHUTDOWN_TIMEOUT:-120}"
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$shutdown_timeout"
-signal_flags=()
-torch_dir="$("$python" -c 'import importlib.util as u; print(u.find_spec("torch").submodule_search_locations[0])' 2>/dev/null || true)"
-if grep -q signals_to_handle "$torch_dir/distributed/run.py" 2>/dev/null; then
-  signal_flags=("--signals-to-handle=SIGINT,SIGHUP,SIGQUIT" "--shutdown-timeout=$shutdown_timeout")
+# script passes them on to the workers (torchrun's children), and torchrun starts ignoring both.
+# Given --signals-to-handle without them (a flag torch 2.11 has, pytorch#160690), torchrun keeps
+# ignoring them: it neither kills the saving workers nor prints a traceback; it waits for them to
+# leave. An older torchrun sets its own SIGTERM handler, so when the scheduler signals it too (SLURM
+# signals every process of the job) it passes SIGTERM on to the workers and kills them 30 s later.
+# --shutdown-timeout (torch 2.12+, pytorch#172596) is how long torchrun waits after the signals it
+# handles.
+if ! wait "$help_pid"; then
+  echo "error: torchrun --help failed, so torchrun would too: $(tail -n 1 "$help_file")" >&2
+  exit 2
+fi
+help_pid=""
+torchrun_has() {  # whether torchrun's --help lists this flag
+  grep -qE -- "(^|[[ ])$1([] =,]|$)" "$help_file"
+}
+launch_flags=()
+if torchrun_has --signals-to-handle; then
+  launch_flags+=("--signals-to-handle=SIGINT,SIGHUP,SIGQUIT")
+fi
+if torchrun_has --shutdown-timeout; then
+  launch_flags+=("--shutdown-timeout=$shutdown_timeout")
+elif [[ -n "${SHUTDOWN_TIMEOUT:-}" ]]; then
+  echo "note: this torchrun has no --shutdown-timeout (torch 2.12+), so SHUTDOWN_TIMEOUT=$SHUTDOWN_TIMEOUT does not apply: it waits 30 s" >&2
 fi
 
 # A restarted or requeued job (same RDZV_ID or SLURM job id) finds its run folder by this id.
@@ -112,7 +172,7 @@ export DDP_JOB_ID="${RDZV_ID:-${SLURM_JOB_ID:-}}"
 (
   trap '' TERM USR1  # torchrun and the workers start ignoring them; the workers then handle them
   exec torchrun "${rendezvous[@]}" --nproc_per_node="$nproc_per_node" \
-    --max-restarts="$max_restarts" "${signal_flags[@]}" "$script" "$@"
+    --max-restarts="$max_restarts" "${launch_flags[@]}" "$script" "$@"
 ) &
 launcher=$!
 interrupted=""

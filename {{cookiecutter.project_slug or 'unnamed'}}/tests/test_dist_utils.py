@@ -2,6 +2,8 @@
 safety, run folders."""
 
 import os
+import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -11,7 +13,7 @@ from omegaconf import OmegaConf
 import checkpoint
 import dist_utils
 from config import UserError, load_config
-from conftest import TINY, RunsCode
+from conftest import PROJECT, TINY, RunsCode, command_env
 from fixtures import MLP
 from parallel import unwrap
 
@@ -32,6 +34,37 @@ def test_torchrun_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "four")
     with pytest.raises(UserError, match="WORLD_SIZE"):
         dist_utils.get_dist_env()
+
+
+# A gloo group keeps the same flight recorder as NCCL's, so its variables can be checked on a CPU.
+FLIGHT_RECORDER_PROBE = """
+import json, torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+dist.all_reduce(torch.ones(1))
+trace = json.loads(torch._C._distributed_c10d._dump_fr_trace_json())
+print("recorded", len(trace.get("entries", [])))
+dist.destroy_process_group()
+"""
+
+
+def flight_recorder_probe(**variables: str) -> str:
+    """The probe's output, with these variables and none of the recorder's from this shell."""
+    env = {k: v for k, v in command_env().items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
+    env.update(variables)
+    return subprocess.run([sys.executable, "-c", FLIGHT_RECORDER_PROBE], cwd=PROJECT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=120, check=True).stdout
+
+
+def test_flight_recorder_variables_are_the_ones_this_torch_reads():
+    """The names dist_utils gives the flight recorder's variables (with NCCL) are read by the
+    installed torch without a deprecation warning, and the buffer's size is really taken from
+    its variable: set to 0, nothing is recorded."""
+    chosen = dist_utils.FLIGHT_RECORDER_ENV
+    output = flight_recorder_probe(**chosen)
+    assert "deprecated" not in output and "recorded 1" in output, output
+    (buffer,) = [name for name in chosen if name.endswith("BUFFER_SIZE")]
+    assert "recorded 0" in flight_recorder_probe(**{**chosen, buffer: "0"})
 
 
 def test_state_dict_keys_carry_no_wrapper_prefixes():
