@@ -85,6 +85,79 @@ def average_precision(precision: torch.Tensor, recall: torch.Tensor) -> float:
     return (-(recall[1:] - recall[:-1]) * precision[:-1]).sum().item()
 
 
+def average_precision_per_class(scores: torch.Tensor, labels: torch.Tensor,
+                                chunk_elements: int = 1 << 24) -> torch.Tensor:
+    """Exact one-vs-rest AP of every class at once: float64 [classes] for scores [samples,
+    classes] and labels [samples] in [0, classes); the numbers of
+    average_precision(*precision_recall_curve(scores[:, c], labels == c)[:2]) for each c.
+
+    Why not that loop: it sorts every column, and at 1,000 classes its per-class calls (and, on
+    a GPU, their synchronisations) cost more than a training epoch. Only a class's own positives
+    move its recall, so AP needs, at each distinct positive score v, the positives at or above v
+    and below it (the class's few positive scores searched among themselves) and the samples at
+    or above v (every score of the column placed among those positive scores: searchsorted and
+    a bincount, no sort of the column). Each term is the loop's very float64 expression,
+    (recall - previous recall) x precision, with the same integer counts; only the order in
+    which the terms are added differs, so values agree to the last bit or two. Columns go
+    `chunk_elements` scores at a time to bound the temporary memory.
+    """
+    samples, classes = scores.shape
+    if samples == 0:
+        return scores.new_zeros(classes, dtype=torch.float64)
+    scores, labels = scores.double(), labels.long()
+    # nan or inf (a sum of finite scores that overflows too: one reduction, not a mask): the
+    # conventions of the sorting path, class by class.
+    if not scores.sum().isfinite():
+        return torch.tensor([average_precision(*precision_recall_curve(scores[:, c],
+                                                                       labels == c)[:2])
+                             for c in range(classes)], dtype=torch.float64)
+    table, positives = _positive_table(scores, labels, classes)
+    step = max(1, chunk_elements // samples)
+    return torch.cat([_table_average_precision(scores[:, start:start + step].T.contiguous(),
+                                               table[start:start + step],
+                                               positives[start:start + step])
+                      for start in range(0, classes, step)])
+
+
+def _positive_table(scores: torch.Tensor, labels: torch.Tensor, classes: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row c: the scores of class c's positives for class c, increasing, padded with +inf to
+    the largest class's count; and every class's count of positives."""
+    own = scores.gather(1, labels[:, None]).squeeze(1)
+    order = torch.sort(own, stable=True).indices
+    order = order[torch.sort(labels[order], stable=True).indices]  # by class, then by score
+    positives = torch.bincount(labels, minlength=classes)
+    starts = positives.cumsum(0) - positives
+    ordered = labels[order]
+    column = torch.arange(len(labels), device=labels.device) - starts[ordered]
+    table = scores.new_full((classes, int(positives.max())), float("inf"))
+    table[ordered, column] = own[order]
+    return table, positives
+
+
+def _table_average_precision(columns: torch.Tensor, table: torch.Tensor,
+                             positives: torch.Tensor) -> torch.Tensor:
+    """AP of a block of classes: columns [classes, samples] (every sample's score for each),
+    table and positives as _positive_table gives them for those classes."""
+    classes, width = table.shape
+    # How many of the class's positive scores are <= each sample's score; +inf pads never are.
+    placed = torch.searchsorted(table, columns, right=True)
+    placed += torch.arange(classes, device=table.device)[:, None] * (width + 1)  # one bincount
+    histogram = torch.bincount(placed.flatten(), minlength=classes * (width + 1))
+    # at_least[c, k]: samples with at least k of class c's positive scores at or under theirs.
+    at_least = histogram.reshape(classes, width + 1).flip(1).cumsum(1).flip(1)
+    below = torch.searchsorted(table, table, right=False)  # positives under each positive score
+    not_above = torch.searchsorted(table, table, right=True)  # ... at or under it
+    predicted = at_least.gather(1, not_above).double()  # samples at or above the score
+    count = positives[:, None].double()
+    true_pos, higher = count - below, count - not_above  # positives at or above, above
+    index = torch.arange(width, device=table.device)
+    # One term per distinct positive score: at the first of its ties, not at the padding.
+    first = (below == index) & (index < positives[:, None])
+    term = (true_pos / count - higher / count) * (true_pos / predicted)
+    return torch.where(first, term, torch.zeros_like(term)).sum(1)
+
+
 def roc_curve(scores: torch.Tensor, positive: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact ROC curve of one class: false and true positive rates and decreasing thresholds,
@@ -225,10 +298,28 @@ def binned_counts(scores: torch.Tensor, positive: torch.Tensor, bins: int) -> to
     Counts add up across batches and processes: sum them, or all-reduce them."""
     edges = bin_edges(bins).to(scores.device)
     # Compare with the very edges reported as thresholds (score * bins can round below i).
-    index = (torch.searchsorted(edges, scores.double(), right=True) - 1).clamp(0, bins - 1)
+    # contiguous: a column of a [samples, classes] block would be copied anyway, with a warning
+    index = (torch.searchsorted(edges, scores.double().contiguous(), right=True) - 1
+             ).clamp(0, bins - 1)
     negative = (~_as_bool(positive)).long()
     flat = torch.bincount(negative * bins + index, minlength=2 * bins)
     return flat.reshape(2, bins).double()
+
+
+def binned_counts_per_class(scores: torch.Tensor, labels: torch.Tensor, bins: int
+                            ) -> torch.Tensor:
+    """binned_counts(scores[:, c], labels == c, bins) of every class c at once, float64
+    [classes, 2, bins], for scores [samples, classes]: one searchsorted and one bincount for a
+    batch instead of a call per class (at 1,000 classes, a thousand calls per batch)."""
+    samples, classes = scores.shape
+    edges = bin_edges(bins).to(scores.device)
+    index = (torch.searchsorted(edges, scores.double().contiguous(), right=True) - 1
+             ).clamp(0, bins - 1)
+    class_index = torch.arange(classes, device=scores.device)
+    negative = (labels.long()[:, None] != class_index).long()
+    flat = (class_index * 2 + negative) * bins + index  # [class, negative, bin] in one number
+    counts = torch.bincount(flat.flatten(), minlength=classes * 2 * bins)
+    return counts.reshape(classes, 2, bins).double()
 
 
 def _binned_threshold_counts(counts: torch.Tensor
