@@ -92,7 +92,7 @@ def test_average_precision_per_class(kind, seed, samples, classes):
     loop = [metrics.average_precision(*metrics.precision_recall_curve(scores[:, c],
                                                                       labels == c)[:2])
             for c in range(classes)]
-    for chunk in (1, 97, 1 << 24):  # one sample's worth of columns, a few, all
+    for chunk in (1, 97, 1 << 24):  # one sample per block, a few, all of them
         got = metrics.average_precision_per_class(scores, labels, chunk_elements=chunk)
         assert got.dtype == torch.float64 and got.shape == (classes,)
         # The same float64 terms added in another order: equal to the last bits.
@@ -102,6 +102,23 @@ def test_average_precision_per_class(kind, seed, samples, classes):
         want = (skm.average_precision_score(positive, scores[:, c].numpy())
                 if positive.any() else 0.0)  # scikit-learn warns and gives 0 (or -0.0)
         assert got[c].item() == pytest.approx(want, abs=1e-12), c
+
+
+@pytest.mark.parametrize("kind", ["continuous", "coarse"])
+def test_average_precision_per_class_unbalanced(kind):
+    """One class with half the samples, a few with a tenth, the rest rare: the classes go into
+    tables of several widths, and the result is still the per-class curves'."""
+    scores, labels = many_classes(8, 1200, 40, kind)
+    generator = torch.Generator().manual_seed(9)
+    draw = torch.rand(1200, generator=generator)
+    labels = torch.where(draw < 0.5, 0, torch.where(draw < 0.8, 1 + (draw * 100).long() % 3,
+                                                    labels))
+    loop = [metrics.average_precision(*metrics.precision_recall_curve(scores[:, c],
+                                                                      labels == c)[:2])
+            for c in range(40)]
+    for chunk in (50, 1 << 24):
+        got = metrics.average_precision_per_class(scores, labels, chunk_elements=chunk)
+        np.testing.assert_allclose(got.numpy(), loop, rtol=1e-15, atol=1e-16)
 
 
 def test_multiclass_validation_metrics_are_the_evaluation_ones():
