@@ -1,7 +1,7 @@
 """Validation at many classes: what the per-epoch metrics cost, against the epoch's training.
 
     .venv/bin/python bench/val_cost.py                        # 20,000 val samples x 1,000 classes
-    .venv/bin/python bench/val_cost.py --before HEAD~2 --rounds 2
+    .venv/bin/python bench/val_cost.py --before e857693 --rounds 2   # e857693: before the change
 
 It bakes the template (the working tree; with --before REF, also the template at that git ref,
 the two measured side by side in alternating rounds) and measures each baked project twice:
@@ -89,7 +89,8 @@ def time_metrics(project: Path, args: argparse.Namespace) -> dict:
 
 
 def time_training(project: Path, args: argparse.Namespace, run_dir: Path) -> dict:
-    # split_indices gives val round(val_fraction x samples): 0.15 of the default config.
+    # val is data.val_fraction (0.15) of the samples, rounded up: 133,333 give 20,000 (and
+    # 86,666 to train).
     samples = round(args.val_samples / 0.15)
     command = [sys.executable, "train.py", f"run.dir={run_dir}", f"train.epochs={args.epochs}",
                "train.progress_bar=false", "data.dataset=synthetic",
