@@ -65,6 +65,104 @@ def test_precision_recall_curve_and_average_precision(case):
     assert metrics.average_precision(precision, recall) == pytest.approx(want_ap, abs=1e-12)
 
 
+def many_classes(seed: int, samples: int, classes: int, kind: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax scores [samples, classes] that mildly favour each sample's label; "rounded" and
+    "coarse" round them (ties within a class's column and between positives and negatives)."""
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.randint(classes, (samples,), generator=generator)
+    logits = torch.randn(samples, classes, generator=generator, dtype=torch.float64)
+    logits[torch.arange(samples), labels] += 1.5
+    scores = logits.softmax(dim=1)
+    if kind == "rounded":
+        scores = torch.round(scores, decimals=2)
+    elif kind == "coarse":
+        scores = torch.round(scores * 4) / 4
+    return scores, labels
+
+
+@pytest.mark.parametrize("kind", ["continuous", "rounded", "coarse"])
+@pytest.mark.parametrize(("seed", "samples", "classes"), [(0, 1, 2), (1, 7, 5), (2, 300, 50),
+                                                           (3, 2000, 50), (4, 40, 60)])
+def test_average_precision_per_class(kind, seed, samples, classes):
+    """The vectorised per-class AP (validation's, every epoch) against scikit-learn and against
+    the per-class curves it replaced, with absent classes (60 classes, 40 samples), ties and
+    column blocks of several sizes."""
+    scores, labels = many_classes(seed, samples, classes, kind)
+    loop = [metrics.average_precision(*metrics.precision_recall_curve(scores[:, c],
+                                                                      labels == c)[:2])
+            for c in range(classes)]
+    for chunk in (1, 97, 1 << 24):  # one sample per block, a few, all of them
+        got = metrics.average_precision_per_class(scores, labels, chunk_elements=chunk)
+        assert got.dtype == torch.float64 and got.shape == (classes,)
+        # The same float64 terms added in another order: equal to the last bits.
+        np.testing.assert_allclose(got.numpy(), loop, rtol=1e-15, atol=1e-16)
+    for c in range(classes):
+        positive = (labels == c).numpy()
+        want = (skm.average_precision_score(positive, scores[:, c].numpy())
+                if positive.any() else 0.0)  # scikit-learn warns and gives 0 (or -0.0)
+        assert got[c].item() == pytest.approx(want, abs=1e-12), c
+
+
+@pytest.mark.parametrize("kind", ["continuous", "coarse"])
+def test_average_precision_per_class_unbalanced(kind):
+    """One class with half the samples, a few with a tenth, the rest rare: the classes go into
+    tables of several widths, and the result is still the per-class curves'."""
+    scores, labels = many_classes(8, 1200, 40, kind)
+    generator = torch.Generator().manual_seed(9)
+    draw = torch.rand(1200, generator=generator)
+    labels = torch.where(draw < 0.5, 0, torch.where(draw < 0.8, 1 + (draw * 100).long() % 3,
+                                                    labels))
+    loop = [metrics.average_precision(*metrics.precision_recall_curve(scores[:, c],
+                                                                      labels == c)[:2])
+            for c in range(40)]
+    for chunk in (50, 1 << 24):
+        got = metrics.average_precision_per_class(scores, labels, chunk_elements=chunk)
+        np.testing.assert_allclose(got.numpy(), loop, rtol=1e-15, atol=1e-16)
+
+
+def test_multiclass_validation_metrics_are_the_evaluation_ones():
+    """What validation logs each epoch (detail=False, no curves) is what evaluate.py reports
+    (detail=True) and scikit-learn's, at 50 classes with ties."""
+    from omegaconf import OmegaConf
+
+    from builtin_tasks import MulticlassTask
+    from splits import Splits
+
+    scores, labels = many_classes(6, 1500, 50, "rounded")
+    task = MulticlassTask(OmegaConf.create({}), Splits(None, None, None, "multiclass", 50), None)
+    rows = torch.cat([labels.double()[:, None], scores], dim=1)
+    quick, full = task.metrics(rows, detail=False), task.metrics(rows, detail=True)
+    assert set(quick) == {"accuracy", "average_precision_macro"}
+    assert {key: full[key] for key in quick} == quick
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # absent classes
+        per_class = [skm.average_precision_score(labels == c, scores[:, c]) for c in range(50)]
+    np.testing.assert_allclose(full["average_precision_per_class"], per_class, atol=1e-12)
+    assert quick["average_precision_macro"] == pytest.approx(np.mean(per_class), abs=1e-12)
+    assert quick["accuracy"] == skm.accuracy_score(labels, scores.argmax(dim=1))
+
+
+def test_average_precision_per_class_edge_cases():
+    empty = metrics.average_precision_per_class(torch.zeros(0, 3, dtype=torch.float64),
+                                                torch.zeros(0, dtype=torch.long))
+    assert empty.tolist() == [0.0, 0.0, 0.0]
+    # A perfect ranking, a reversed one, and every score tied.
+    scores = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7]], dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1])
+    assert metrics.average_precision_per_class(scores, labels).tolist() == [1.0, 1.0]
+    flat = metrics.average_precision_per_class(torch.full((4, 2), 0.5, dtype=torch.float64),
+                                               torch.tensor([0, 1, 1, 1]))
+    assert flat.tolist() == [0.25, 0.75]
+    # Non-finite scores (a diverged model) take the per-class curves' conventions.
+    bad, labels = many_classes(5, 50, 4, "continuous")
+    bad[3, 1], bad[7, 2] = float("nan"), float("inf")
+    loop = [metrics.average_precision(*metrics.precision_recall_curve(bad[:, c], labels == c)[:2])
+            for c in range(4)]
+    torch.testing.assert_close(metrics.average_precision_per_class(bad, labels),
+                               torch.tensor(loop, dtype=torch.float64), equal_nan=True)
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_roc_curve_and_auc(case):
     scores, positive = make_case(*case)
@@ -245,6 +343,15 @@ def test_binned_counts_bins_and_additivity():
     parts = [metrics.binned_counts(big_scores[i:i + 300], big_positive[i:i + 300], bins)
              for i in range(0, 1000, 300)]
     assert torch.equal(sum(parts), metrics.binned_counts(big_scores, big_positive, bins))
+
+
+def test_binned_counts_per_class():
+    scores, labels = many_classes(7, 500, 30, "rounded")
+    scores[0, 0], scores[1, 1] = -0.5, 1.5  # clamped into the end bins, as binned_counts does
+    for bins in (1, 7, 100):
+        want = torch.stack([metrics.binned_counts(scores[:, c], labels == c, bins)
+                            for c in range(30)])
+        assert torch.equal(metrics.binned_counts_per_class(scores, labels, bins), want)
 
 
 @pytest.mark.parametrize("bins", [10, 100, 1000])
