@@ -377,6 +377,28 @@ class ReusedStagingBuffers(BlockingAsyncStager):
         return _copy_state_dict(state_dict, self.state_dict_cache)
 
 
+def refuse_non_finite(model_state: dict, step: int, folder: Path) -> None:
+    """A UserError if this rank's part of the weights holds NaN or inf: such a checkpoint would
+    be resumed from and diverge again, while the one before is still good. One wait for the
+    device in all (a GPU): every tensor's verdict is read at once."""
+    tensors = {name: value.to_local() if hasattr(value, "to_local") else value
+               for name, value in model_state.items() if isinstance(value, torch.Tensor)}
+    tensors = {name: value for name, value in tensors.items() if value.is_floating_point()}
+    if not tensors:
+        return
+    finite = torch.stack([torch.isfinite(value).all() for value in tensors.values()]).tolist()
+    if all(finite):
+        return
+    name = next(name for name, ok in zip(tensors, finite, strict=True) if not ok)
+    saved = list_checkpoints(folder)
+    kept = (f"the newest, {saved[-1].name}, stays the one to resume from" if saved
+            else "there is none before it")
+    raise UserError(
+        f"training diverged: the weights hold NaN or inf at step {step} ({name}), so no "
+        f"checkpoint was saved ({kept}); lower optim.lr, set optim.grad_clip (e.g. 1.0) or use "
+        "speed.precision=bf16 or fp32")
+
+
 class Checkpointer:
     """Writes the checkpoints of a run (collective: every rank calls save and wait).
 
@@ -416,6 +438,8 @@ class Checkpointer:
         sharded = {name: parts[name].state_dict() for name in SHARDED_PARTS}
         path = self.folder / f"step-{position.step:08d}"
         tmp = self.folder / f".{path.name}.tmp"
+        with dist_utils.agree_on_errors():  # every rank checks its part, all stop if one fails
+            refuse_non_finite(sharded["model"], position.step, self.folder)
         self.pending_path = path
         self.pending_bytes = tensor_bytes(sharded) + tensor_bytes(small)
         with dist_utils.agree_on_errors():  # also a barrier: nobody writes into tmp before this

@@ -4,6 +4,7 @@ and of yours, so the tests keep checking the plumbing whatever you add or change
 Runs name them by file: data.dataset=tests/fixtures.py:vectors model.name=tests/fixtures.py:mlp.
 """
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -211,3 +212,19 @@ class TermsTask(MulticlassTask):
     def train_scalars(self, outputs, batch):
         confidence = F.softmax(self.scores(outputs), dim=-1).amax(dim=-1).mean()
         return {**super().train_scalars(outputs, batch), "confidence": confidence}
+
+
+class NanGradientTask(MulticlassTask):
+    """multiclass whose loss gets a term at training step NAN_STEP that is 0 but whose gradient
+    is NaN (the derivative of sqrt at 0 is inf, times 0): the loss stays finite, the weights
+    after that step do not."""
+
+    calls = 0
+
+    def loss(self, outputs, batch):
+        loss = super().loss(outputs, batch)
+        if torch.is_grad_enabled() and outputs.device.type != "meta":  # not the FLOP count
+            NanGradientTask.calls += 1
+            if NanGradientTask.calls == int(os.environ.get("NAN_STEP", "14")):
+                loss = loss + (outputs.sum() * 0).sqrt()
+        return loss

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from checkpoint import STATE_FILE, list_checkpoints, read_model
-from conftest import TINY, RunsCode, command_env, run, torchrun
+from conftest import TINY, RunsCode, command_env, fixture, run, torchrun
 
 pytestmark = pytest.mark.slow  # the quick tier (-m 'not slow') skips these
 
@@ -207,3 +207,20 @@ def test_resume_with_another_process_count(tmp_path):
     # the first job stopped (25); the resumed job's windows are those of an uninterrupted run
     # (no extra one at its first step, 26); nothing twice, nothing lost.
     assert steps == sorted({*range(5, 58, 5), 19, 38, 57, 1, 25})
+
+
+def test_a_checkpoint_of_non_finite_weights_is_refused_and_the_one_before_kept(tmp_path):
+    # Step 14's loss is finite, its gradient NaN: the weights after it are NaN. The checkpoint
+    # of step 14 is refused, the job ends with one line (no restart), step 7's stays the newest.
+    result = run(["./run.sh", *TINY, f"task.name={fixture('NanGradientTask')}",
+                  "train.ckpt_every=7", f"run.output_dir={tmp_path}"],
+                 NPROC_PER_NODE="2", NAN_STEP="14")
+    assert result.returncode == 2, result.stdout
+    errors = [line for line in result.stdout.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in result.stdout, result.stdout
+    assert "the weights hold NaN or inf at step 14" in errors[0], errors
+    assert "the newest, step-00000007, stays the one to resume from" in errors[0], errors
+    (run_dir,) = tmp_path.iterdir()
+    saved = list_checkpoints(run_dir / "checkpoints")
+    assert [path.name for path in saved] == ["step-00000007"]
+    assert all(torch.isfinite(value).all() for value in read_model(saved[0]).values())
