@@ -378,9 +378,14 @@ class ReusedStagingBuffers(BlockingAsyncStager):
 
 
 def refuse_non_finite(model_state: dict, step: int, folder: Path) -> None:
-    """A UserError if this rank's part of the weights holds NaN or inf: such a checkpoint would
-    be resumed from and diverge again, while the one before is still good. One wait for the
-    device in all (a GPU): every tensor's verdict is read at once."""
+    """A UserError on every rank if any rank's part of the weights holds NaN or inf (collective):
+    such a checkpoint would be resumed from and diverge again, while the one before is still
+    good. One wait for the device in all (a GPU): every tensor's verdict is read at once."""
+    with dist_utils.agree_on_errors():
+        _refuse_non_finite_part(model_state, step, folder)
+
+
+def _refuse_non_finite_part(model_state: dict, step: int, folder: Path) -> None:
     tensors = {name: value.to_local() if hasattr(value, "to_local") else value
                for name, value in model_state.items() if isinstance(value, torch.Tensor)}
     tensors = {name: value for name, value in tensors.items() if value.is_floating_point()}
@@ -438,10 +443,8 @@ class Checkpointer:
         sharded = {name: parts[name].state_dict() for name in SHARDED_PARTS}
         path = self.folder / f"step-{position.step:08d}"
         tmp = self.folder / f".{path.name}.tmp"
-        with dist_utils.agree_on_errors():  # every rank checks its part, all stop if one fails
-            refuse_non_finite(sharded["model"], position.step, self.folder)
-        self.pending_path = path
-        self.pending_bytes = tensor_bytes(sharded) + tensor_bytes(small)
+        refuse_non_finite(sharded["model"], position.step, self.folder)
+        self.pending_path, self.pending_bytes = path, tensor_bytes(sharded) + tensor_bytes(small)
         with dist_utils.agree_on_errors():  # also a barrier: nobody writes into tmp before this
             if env.is_main:
                 try:
