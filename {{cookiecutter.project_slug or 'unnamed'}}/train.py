@@ -35,7 +35,7 @@ import report
 import trackers
 from builtin_tasks import Task, build_task
 from checkpoint import Position
-from config import load_config
+from config import UserError, load_config
 from data import DataModule, count_samples, detached, to_device
 from evaluation import evaluate_split, loss_terms, scalars
 from parallel import (
@@ -228,6 +228,7 @@ def setup(argv: list[str]) -> Setup:
     device = dist_utils.select_device(env, cfg.train.device)
     dist_utils.init_distributed(env, device, cfg.ddp.backend, cfg.ddp.timeout_minutes)
     run = checkpoint.open_run_dir(cfg, env)
+    saved_config = None
     try:
         with dist_utils.agree_on_errors():  # bad input stops every rank together, reported once
             torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP syncs too)
@@ -239,7 +240,8 @@ def setup(argv: list[str]) -> Setup:
             trackers.check_installed(cfg)
             resume_from = checkpoint.checkpoint_to_resume(cfg, run.path)
             if resume_from:  # a damaged checkpoint is one line before any model is built
-                checkpoint.load_checkpoint(resume_from)
+                saved_config = checkpoint.load_checkpoint(resume_from).get("config")
+                refuse_fixed_settings(cfg, saved_config, resume_from)
     except BaseException:
         run.discard_if_unused()  # a launch that failed before training leaves no folder
         raise
@@ -270,6 +272,7 @@ def setup(argv: list[str]) -> Setup:
             run.discard_if_unused()
             raise
         s.log.resume(s.position, truncate=s.position.step < total_steps)
+        apply_changed_settings(s, saved_config)
         log.info("resumed from %s: step %d, epoch %d, %d step(s) into it", resume_from,
                  s.position.step, s.position.epoch + 1, s.position.step_in_epoch)
     elif not run.created:  # restarted before its first checkpoint: it logs from step 1 again
@@ -281,6 +284,64 @@ def setup(argv: list[str]) -> Setup:
     if tracked:  # before step 1: the tracker run exists (or its failure is said) from the start
         tracked.start()
     return s
+
+
+# Settings a resumed run cannot change: the data it has seen this epoch, and how it is split and
+# ordered, follow from them, so a new value would train some samples twice and skip others.
+FIXED_ON_RESUME = (
+    "run.seed", "train.global_batch_size", "train.limit_train_batches", "data.dataset",
+    "data.root", "data.val_fraction", "data.test_fraction", "data.split_seed",
+    "data.synthetic_samples", "data.synthetic_features", "data.synthetic_classes",
+    "data.image_size")
+# Where the run is written and what it resumes from: not settings of the training itself.
+NOT_COMPARED = ("run.name", "run.output_dir", "run.dir", "train.resume")
+
+
+def changed_settings(cfg: DictConfig, saved: dict | None) -> dict[str, tuple]:
+    """Each setting whose value differs from the one a checkpoint was written with:
+    name -> (checkpoint's value, this run's). Empty for a checkpoint that holds no config."""
+    if not saved:
+        return {}
+    old, new = (OmegaConf.to_container(c) for c in (OmegaConf.create(saved), cfg))
+    changes = {}
+    for section, values in new.items():
+        for name, value in values.items() if isinstance(values, dict) else ():
+            key = f"{section}.{name}"
+            before = old.get(section, {}).get(name, value)
+            if key not in NOT_COMPARED and before != value:
+                changes[key] = (before, value)
+    return changes
+
+
+def refuse_fixed_settings(cfg: DictConfig, saved: dict | None, source: Path) -> None:
+    """One line when a setting that a resume cannot honour differs from the checkpoint's."""
+    for key, (before, value) in changed_settings(cfg, saved).items():
+        if key in FIXED_ON_RESUME:
+            raise UserError(
+                f"{key}={value} differs from {before} in checkpoint {source}, and a resumed run "
+                f"cannot change it (the epoch's data would be seen twice or skipped): resume with "
+                f"{key}={before}, or start a new run with train.resume=never")
+
+
+def apply_changed_settings(s: Setup, saved: dict | None) -> None:
+    """After a resume, the settings changed since the checkpoint take effect, so that what the
+    records say (config.yaml, model.pt, new checkpoints) is what trains. The optimizer and the
+    schedule came back with the checkpoint's learning rate and weight decay: this run's replace
+    them (the schedule's factor at this step is kept). The rest is read from the config anyway."""
+    changes = changed_settings(s.cfg, saved)
+    if "optim.lr" in changes:
+        before, value = changes["optim.lr"]
+        ratio = value / before
+        s.scheduler.base_lrs = [base * ratio for base in s.scheduler.base_lrs]
+        for group in s.optimizer.param_groups:
+            group["lr"] *= ratio
+    if "optim.weight_decay" in changes:
+        for group in s.optimizer.param_groups:
+            group["weight_decay"] = changes["optim.weight_decay"][1]
+    if changes and s.env.is_main:
+        log.info("changed since the checkpoint, in effect from step %d: %s", s.position.step + 1,
+                 ", ".join(f"{key} {before} -> {value}"
+                           for key, (before, value) in changes.items()))
 
 
 def training_loss(task: Task, model: torch.nn.Module, batch) -> torch.Tensor:
@@ -365,6 +426,22 @@ def stop_for_preemption(s: Setup) -> None:
                                "command again to continue from there")
 
 
+@contextlib.contextmanager
+def summary_on_failure(s: Setup):
+    """summary.json says how a run that did not finish ended: "failed" (an error) or
+    "interrupted" (Ctrl-C); a preemption has written "preempted" itself."""
+    try:
+        yield
+    except dist_utils.Preempted:
+        raise
+    except BaseException as error:
+        if s.env.is_main:
+            status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+            with contextlib.suppress(Exception):  # never hide the error that ended the run
+                write_summary(s, status)
+        raise
+
+
 def main(argv: list[str]) -> None:
     started = time.perf_counter()
     s = setup(argv)
@@ -376,7 +453,8 @@ def main(argv: list[str]) -> None:
         with removed_at_the_end(s):
             end_smoke_test(s, train_epochs(s), started)
         return
-    save_and_export(s, train_epochs(s))
+    with summary_on_failure(s):
+        save_and_export(s, train_epochs(s))
     with dist_utils.agree_on_errors():  # summary.json, curves.png, the trackers' files
         finish(s, "done")
     log.info(s.log.describe_throughput())
