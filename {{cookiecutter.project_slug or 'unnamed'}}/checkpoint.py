@@ -602,7 +602,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     tensors and plain data only (weights_only=True)."""
 
     def load_bytes(self, read_item, value) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        # Checked with weights_only (a pickle beyond plain data raises here), then handed to
+        # DCP's own load_bytes, which puts the value back into the caller's nested state dict
+        # (the learning rate and other hyperparameters of the optimizer's param_groups).
+        torch.load(value, weights_only=True)
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def _read_metadata(path: Path) -> Metadata:

@@ -13,7 +13,6 @@ wrapped model; the data, model and task are what the config names.
 
 import contextlib
 import functools
-import gc
 import json
 import logging
 import math
@@ -65,34 +64,12 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-class LRSchedule:
-    """Sets each parameter group's learning rate to its base rate x lr_factor after every step
-    (what torch's LambdaLR does, with a few microseconds of Python a step instead of tens)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, warmup: int, total: int, schedule: str):
-        self.optimizer, self.warmup, self.total, self.schedule = optimizer, warmup, total, schedule
-        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
-        self.steps_done = 0
-        self._apply()
-
-    def step(self) -> None:
-        self.steps_done += 1
-        self._apply()
-
-    def _apply(self) -> None:
-        factor = lr_factor(self.steps_done, self.warmup, self.total, self.schedule)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
-            group["lr"] = base * factor
-
-    def get_last_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
-
-    def state_dict(self) -> dict:
-        return {"steps_done": self.steps_done, "base_lrs": self.base_lrs}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.steps_done, self.base_lrs = int(state["steps_done"]), list(state["base_lrs"])
-        self._apply()
+def lr_schedule(optimizer: torch.optim.Optimizer, warmup: int, total: int, schedule: str
+                ) -> torch.optim.lr_scheduler.LambdaLR:
+    """Each parameter group's base rate times lr_factor of the steps done (checkpointed through
+    its state_dict like any torch scheduler)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lr_factor, warmup=warmup, total=total, schedule=schedule))
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
@@ -160,23 +137,6 @@ def forward_backward(model: torch.nn.Module, batch, task: Task, device: torch.de
     return {name: value.detach() * share for name, value in terms.items()}
 
 
-class NoBar:
-    """The progress bar where none is shown (other ranks, no terminal): a disabled tqdm still
-    costs its construction every epoch."""
-
-    def update(self, steps: int = 1) -> None:
-        pass
-
-    def set_postfix(self, **values) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-NO_BAR = NoBar()
-
-
 @dataclass
 class Setup:
     """What the loop works with: built once by setup(), then only read (but the position)."""
@@ -189,7 +149,7 @@ class Setup:
     speed: Speed
     model: torch.nn.Module  # wrapped (DDP, compiled) as wrap_model made it
     optimizer: torch.optim.Optimizer
-    scheduler: LRSchedule
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler | None
     log: TrainingLog
     run_dir: Path
@@ -254,7 +214,7 @@ def setup(argv: list[str]) -> Setup:
         total_steps = min(total_steps, cfg.train.max_steps)
     model = wrap_model(model, cfg, env, device, speed)
     optimizer = build_optimizer(model, cfg, speed)
-    scheduler = LRSchedule(optimizer, cfg.optim.warmup_steps, total_steps, cfg.optim.schedule)
+    scheduler = lr_schedule(optimizer, cfg.optim.warmup_steps, total_steps, cfg.optim.schedule)
     tracked = trackers.Trackers(cfg, run.path) if env.is_main and trackers.enabled(cfg) else None
     train_log = TrainingLog(run.path, env, device, tracked)
     train_log.flops_per_sample = count_flops(cfg, data, task, input_shape)
@@ -327,14 +287,16 @@ def apply_changed_settings(s: Setup, saved: dict | None) -> None:
     """After a resume, the settings changed since the checkpoint take effect, so that what the
     records say (config.yaml, model.pt, new checkpoints) is what trains. The optimizer and the
     schedule came back with the checkpoint's learning rate and weight decay: this run's replace
-    them (the schedule's factor at this step is kept). The rest is read from the config anyway."""
+    them, on this run's schedule. The rest is read from the config anyway."""
     changes = changed_settings(s.cfg, saved)
     if "optim.lr" in changes:
         before, value = changes["optim.lr"]
-        ratio = value / before
-        s.scheduler.base_lrs = [base * ratio for base in s.scheduler.base_lrs]
-        for group in s.optimizer.param_groups:
-            group["lr"] *= ratio
+        s.scheduler.base_lrs = [base * value / before for base in s.scheduler.base_lrs]
+    # The rate at this step on this run's schedule (its length or warmup may have changed too).
+    scheduler = s.scheduler
+    for group, base, factor in zip(s.optimizer.param_groups, scheduler.base_lrs,
+                                   scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * factor(scheduler.last_epoch)
     if "optim.weight_decay" in changes:
         for group in s.optimizer.param_groups:
             group["weight_decay"] = changes["optim.weight_decay"][1]
@@ -446,9 +408,6 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
     s = setup(argv)
     describe(s)
-    # What setup made lives to the end: the garbage collector need not scan it again and again.
-    gc.collect()
-    gc.freeze()
     if s.cfg.train.fast_dev_run:
         with removed_at_the_end(s):
             end_smoke_test(s, train_epochs(s), started)
@@ -477,7 +436,7 @@ def train_epochs(s: Setup) -> int:
         model.train()
         train_log.start_epoch(resumed_within=position.step_in_epoch > 0)
         bar = tqdm(total=data.steps_per_epoch, initial=position.step_in_epoch, leave=False,
-                   desc=f"epoch {position.epoch + 1}/{epochs}") if show_bar else NO_BAR
+                   desc=f"epoch {position.epoch + 1}/{epochs}", disable=not show_bar)
         for micro_batches in epoch_steps(s):
             values, samples, grad_norm = train_step(model, s.optimizer, micro_batches, task,
                                                     s.device, s.speed, s.scaler, grad_clip)

@@ -31,15 +31,14 @@ import itertools
 import json
 import logging
 import math
-import os
 import queue
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
+from torch.utils.tensorboard import SummaryWriter
 
 import dist_utils
 from checkpoint import Position
@@ -58,58 +57,20 @@ def _keep_records(path: Path, keep) -> None:
         tmp.replace(path)
 
 
-class EventFile:
-    """A TensorBoard event file written by the caller (TensorBoard's own record format and
-    protobufs). torch's SummaryWriter hands each event to a thread of its own, whose checksum
-    is pure Python (about 20 us an event, more on a cold cache): holding the interpreter, that
-    thread slowed the training steps right after each record, and a one-step window's rate
-    showed a quarter of the others. Here the caller pays it, between windows."""
-
-    def __init__(self, log_dir: Path, purge_step: int | None):
-        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-        from tensorboard.compat.proto.summary_pb2 import Summary
-        from tensorboard.summary.writer.record_writer import RecordWriter
-
-        self.event, self.summary = Event, Summary
-        log_dir.mkdir(parents=True, exist_ok=True)
-        # The name TensorBoard looks for; the pid tells a restarted job's file from the last.
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
-        self.records = RecordWriter(open(log_dir / name, "ab"))  # noqa: SIM115 (closed in close)
-        start = purge_step or 0
-        self._write(Event(wall_time=time.time(), step=start, file_version="brain.Event:2"))
-        if purge_step is not None:  # TensorBoard hides what an earlier attempt logged from here
-            self._write(Event(wall_time=time.time(), step=start,
-                              session_log=SessionLog(status=SessionLog.START)))
-
-    def scalars(self, scalars: dict, step: int) -> None:
-        """All of a record's scalars as one event (one protobuf for the lot, not one each)."""
-        values = [self.summary.Value(tag=tag, simple_value=float(value))
-                  for tag, value in scalars.items()]
-        self._write(self.event(wall_time=time.time(), step=step,
-                               summary=self.summary(value=values)))
-
-    def _write(self, event) -> None:
-        self.records.write(event.SerializeToString())
-        self.records.flush()  # on disk as the log files are: a killed job loses no record
-
-    def close(self) -> None:
-        self.records.close()
-
-
 class Writer:
     """Rank 0's log files and TensorBoard, and the trackers.
 
-    Files and TensorBoard are written at once, by the training loop itself, between windows
-    (outside their clocks): a line and one TensorBoard event per record, some tens of
-    microseconds. A thread that wakes up to write them would cost more: on a busy machine its
-    wake-up takes a core from the training step, and a short window's rate would show it. The
-    trackers, whose calls can take long (a remote server, a busy SQLite store), get the records
-    in order from a thread of their own; drain() waits for it, close() too.
+    Files are written at once, by the training loop itself, between windows (outside their
+    clocks), and TensorBoard's SummaryWriter is flushed there too, so that its writer thread
+    does its work between windows rather than during the next steps. The trackers, whose calls
+    can take long (a remote server, a busy SQLite store), get the records in order from a thread
+    of their own; drain() waits for it, close() too.
     """
 
     def __init__(self, run_dir: Path, purge_step: int | None, trackers=None):
         self.run_dir, self.trackers = run_dir, trackers
-        self.tensorboard = EventFile(run_dir / "tb", purge_step)
+        # With purge_step, TensorBoard hides what an earlier attempt logged after the checkpoint.
+        self.tensorboard = SummaryWriter(run_dir / "tb", purge_step=purge_step)
         self.files: dict = {}  # file name -> open handle, appended to a line at a time
         self.failed: BaseException | None = None
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -124,7 +85,9 @@ class Writer:
         `tracked` (default: `scalars`) to the trackers."""
         if not self.failed:
             try:
-                self.tensorboard.scalars(scalars, step)
+                for tag, value in scalars.items():
+                    self.tensorboard.add_scalar(tag, value, step)
+                self.tensorboard.flush()  # on disk as the log files are: a killed job loses none
                 self._append(file_name, json.dumps(record) + "\n")
             except OSError as error:  # a full disk, say: say so once; training goes on
                 self.failed = error
