@@ -7,9 +7,10 @@ averaged: a PR or ROC curve is a set of points at thresholds taken from all the 
 of per-shard curves (or of their areas) is not the curve of the union. Even a mean of accuracies is
 wrong when shards differ in size.
 
-The curves follow scikit-learn's conventions (checked against it in tests/test_metrics.py): every
-distinct score is a threshold, equal scores are taken together, a sample is predicted positive when
-its score is >= the threshold.
+The exact curves are scikit-learn's (precision_recall_curve, roc_curve, auc, confusion_matrix on
+the gathered rows): every distinct score is a threshold, equal scores are taken together, a sample
+is predicted positive when its score is >= the threshold. What is written here is what it lacks:
+every class's AP at once at 1,000 classes, and the binned mode.
 
 Gathering every score costs memory proportional to the split. For very large splits the binned
 mode keeps, per class, `bins` x 2 counts (positives and negatives per score bin), independent of
@@ -20,6 +21,10 @@ are exact at the bin edges and approximate the exact AP / ROC AUC.
 that keep its shape, for JSON, plots and TensorBoard.
 """
 
+import warnings
+
+import numpy as np
+import sklearn.metrics
 import torch
 
 _F1_TIE = 1e-13  # F1 values closer than this are ties (float noise of 2pr / (p + r))
@@ -27,20 +32,6 @@ _F1_TIE = 1e-13  # F1 values closer than this are ties (float noise of 2pr / (p 
 
 def _as_bool(positive: torch.Tensor) -> torch.Tensor:
     return positive.bool() if positive.dtype != torch.bool else positive
-
-
-def _threshold_counts(scores: torch.Tensor, positive: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Thresholds (the distinct scores, decreasing) and the true and false positive counts
-    (float64) when predicting positive every sample whose score is >= each threshold."""
-    order = torch.sort(scores, descending=True, stable=True).indices
-    scores, positive = scores[order], _as_bool(positive)[order].double()
-    # The last position of each run of equal scores: a threshold takes all of its ties at once.
-    end = torch.tensor([len(scores) - 1], device=scores.device)
-    last_of_run = torch.cat([torch.nonzero(scores[1:] != scores[:-1]).flatten(), end])
-    true_pos = positive.cumsum(0)[last_of_run]
-    false_pos = (last_of_run + 1).double() - true_pos
-    return scores[last_of_run], true_pos, false_pos
 
 
 def _pr_from_counts(thresholds: torch.Tensor, true_pos: torch.Tensor, false_pos: torch.Tensor
@@ -65,18 +56,31 @@ def _roc_from_counts(thresholds: torch.Tensor, true_pos: torch.Tensor, false_pos
     return false_pos / false_pos[-1], true_pos / true_pos[-1], thresholds
 
 
+def _numpy(*tensors: torch.Tensor) -> list[np.ndarray]:
+    return [t.detach().cpu().numpy() for t in tensors]
+
+
+def _tensors(*arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.from_numpy(np.array(a, dtype=np.float64, order="C")) for a in arrays)
+
+
 def precision_recall_curve(scores: torch.Tensor, positive: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The exact precision-recall curve of one class: every distinct score is a threshold.
-
-    Returns precision and recall (one more point than thresholds: precision 1 at recall 0, last)
-    and the thresholds in increasing order: point k is the classifier `score >= thresholds[k]`.
-    These are scikit-learn's precision_recall_curve conventions, recall 1 when nothing is positive.
-    """
+    """The exact precision-recall curve of one class (scikit-learn's): every distinct score is a
+    threshold. Returns precision and recall (one more point than thresholds: precision 1 at
+    recall 0, last) and the thresholds in increasing order: point k is the classifier
+    `score >= thresholds[k]`. Recall is 1 when nothing is positive. Float64 CPU tensors.
+    A nan or inf score (a diverged model) gives one nan point: its AP is nan."""
     if len(scores) == 0:
-        one = scores.new_ones(1, dtype=torch.float64)
-        return one, torch.zeros_like(one), scores.new_zeros(0, dtype=torch.float64)
-    return _pr_from_counts(*_threshold_counts(scores.double(), positive))
+        one = torch.ones(1, dtype=torch.float64)
+        return one, torch.zeros_like(one), torch.zeros(0, dtype=torch.float64)
+    if not torch.isfinite(scores).all():
+        nan = torch.full((1,), float("nan"), dtype=torch.float64)
+        return torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 0.0]), nan
+    truth, values = _numpy(_as_bool(positive), scores.double())
+    with warnings.catch_warnings():  # no positive: recall set to 1, said by a warning
+        warnings.simplefilter("ignore")
+        return _tensors(*sklearn.metrics.precision_recall_curve(truth, values))
 
 
 def average_precision(precision: torch.Tensor, recall: torch.Tensor) -> float:
@@ -202,20 +206,23 @@ def roc_curve(scores: torch.Tensor, positive: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact ROC curve of one class: false and true positive rates and decreasing thresholds,
     the first +inf with the point (0, 0); scikit-learn's roc_curve(drop_intermediate=False).
-    A rate is nan throughout when its class (negatives for fpr, positives for tpr) is absent."""
-    scores = scores.double()
-    if len(scores) == 0:
-        nan = scores.new_full((1,), float("nan"))
-        return nan, nan.clone(), scores.new_full((1,), float("inf"))
-    return _roc_from_counts(*_threshold_counts(scores, positive))
+    A rate is nan throughout when its class (negatives for fpr, positives for tpr) is absent,
+    and both when a score is nan or inf (a diverged model)."""
+    if len(scores) == 0 or not torch.isfinite(scores).all():
+        nan = torch.full((1,), float("nan"), dtype=torch.float64)
+        return nan, nan.clone(), torch.full((1,), float("inf"), dtype=torch.float64)
+    truth, values = _numpy(_as_bool(positive), scores.double())
+    with warnings.catch_warnings():  # a class absent: its rate is nan, said by a warning
+        warnings.simplefilter("ignore")
+        return _tensors(*sklearn.metrics.roc_curve(truth, values, drop_intermediate=False))
 
 
 def roc_auc(fpr: torch.Tensor, tpr: torch.Tensor) -> float:
-    """Area under the ROC curve by the trapezoidal rule (scikit-learn's roc_auc_score). nan when
-    the split has no positives or no negatives (the rates are then nan; scikit-learn raises)."""
+    """Area under the ROC curve by the trapezoidal rule (scikit-learn's auc). nan when the split
+    has no positives or no negatives (the rates are then nan; roc_auc_score raises)."""
     if len(fpr) < 2 or torch.isnan(fpr).any() or torch.isnan(tpr).any():
         return float("nan")
-    return ((fpr[1:] - fpr[:-1]) * (tpr[1:] + tpr[:-1]) / 2).sum().item()
+    return float(sklearn.metrics.auc(*_numpy(fpr, tpr)))
 
 
 def counts_at_threshold(scores: torch.Tensor, positive: torch.Tensor, threshold: float) -> dict:
@@ -224,11 +231,10 @@ def counts_at_threshold(scores: torch.Tensor, positive: torch.Tensor, threshold:
     Returns tp, fp, fn, tn (ints) and precision, recall, f1, accuracy (floats), with
     scikit-learn's zero_division=0: a ratio whose denominator is 0 is 0 (accuracy of nothing too).
     """
-    predicted, positive = scores >= threshold, _as_bool(positive)
-    tp = int((predicted & positive).sum())
-    fp = int((predicted & ~positive).sum())
-    fn = int((~predicted & positive).sum())
-    return _scores_from_counts(tp, fp, fn, len(scores) - tp - fp - fn)
+    truth, predicted = _numpy(_as_bool(positive), scores >= threshold)
+    tn, fp, fn, tp = (int(n) for n in sklearn.metrics.confusion_matrix(
+        truth, predicted, labels=[False, True]).ravel())
+    return _scores_from_counts(tp, fp, fn, tn)
 
 
 def _ratio(numerator: int, denominator: int) -> float:
@@ -254,10 +260,10 @@ def binned_counts_at_threshold(counts: torch.Tensor, threshold: float) -> dict:
 def best_f1_threshold(precision: torch.Tensor, recall: torch.Tensor,
                       thresholds: torch.Tensor) -> float:
     """The threshold of a PR curve (as precision_recall_curve returns it) with the highest F1;
-    ties (within float noise) go to the highest threshold. 0.5 when the curve has no threshold or
-    the class has no positive (F1 is then 0 at every threshold)."""
+    ties (within float noise) go to the highest threshold. 0.5 when the curve has no threshold,
+    a nan one (non-finite scores) or the class has no positive (F1 is then 0 everywhere)."""
     count = len(thresholds)
-    if count == 0:
+    if count == 0 or not torch.isfinite(thresholds).all():
         return 0.5
     p, r = precision[:count], recall[:count]
     total = p + r
@@ -272,7 +278,8 @@ def best_f1_threshold(precision: torch.Tensor, recall: torch.Tensor,
 
 def confusion_matrix(labels: torch.Tensor, predicted: torch.Tensor, classes: int) -> torch.Tensor:
     """Counts [classes, classes], rows the true class and columns the predicted one (both in
-    [0, classes)); scikit-learn's confusion_matrix(labels, predicted, labels=range(classes))."""
+    [0, classes)); scikit-learn's confusion_matrix(labels, predicted, labels=range(classes)),
+    computed where the tensors are: the binned mode adds one up per batch on the GPU."""
     flat = labels.long() * classes + predicted.long()
     return torch.bincount(flat, minlength=classes * classes).reshape(classes, classes)
 

@@ -1,5 +1,6 @@
 """metrics.py against scikit-learn on seeded random cases: ties, tiny splits, absent classes."""
 
+import math
 import warnings
 from fractions import Fraction
 
@@ -154,13 +155,16 @@ def test_average_precision_per_class_edge_cases():
     flat = metrics.average_precision_per_class(torch.full((4, 2), 0.5, dtype=torch.float64),
                                                torch.tensor([0, 1, 1, 1]))
     assert flat.tolist() == [0.25, 0.75]
-    # Non-finite scores (a diverged model) take the per-class curves' conventions.
+    # Non-finite scores (a diverged model): nan for their classes, the others exact.
     bad, labels = many_classes(5, 50, 4, "continuous")
     bad[3, 1], bad[7, 2] = float("nan"), float("inf")
-    loop = [metrics.average_precision(*metrics.precision_recall_curve(bad[:, c], labels == c)[:2])
-            for c in range(4)]
-    torch.testing.assert_close(metrics.average_precision_per_class(bad, labels),
-                               torch.tensor(loop, dtype=torch.float64), equal_nan=True)
+    result = metrics.average_precision_per_class(bad, labels)
+    assert result[1].isnan() and result[2].isnan()
+    for c in (0, 3):
+        assert result[c].item() == pytest.approx(
+            skm.average_precision_score((labels == c).numpy(), bad[:, c].numpy()), abs=1e-12)
+    assert metrics.best_f1_threshold(*metrics.precision_recall_curve(bad[:, 1], labels == 1)) == 0.5
+    assert math.isnan(metrics.roc_auc(*metrics.roc_curve(bad[:, 2], labels == 2)[:2]))
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
