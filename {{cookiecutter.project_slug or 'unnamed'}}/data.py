@@ -13,8 +13,16 @@ A sample (and a batch) is a tuple `(inputs, target)` or a dict of tensors; `to_d
 either whole. The task (tasks.py) decides which parts the model and the loss read.
 """
 
+import contextlib
+import functools
 import logging
 import math
+import os
+import select
+import signal
+import sys
+import threading
+import time
 
 import torch
 from omegaconf import DictConfig
@@ -145,6 +153,27 @@ def build_splits(cfg: DictConfig) -> Splits:
     return splits
 
 
+def end_with_rank(rank_pid: int, worker_id: int) -> None:
+    """A loader worker's init: end the worker when its rank ends, however it ends (SIGKILL
+    included). PyTorch's own check watches the worker's parent, which under forkserver is the
+    forkserver: that lives as long as the workers do, so they would never notice."""
+
+    def wait_for_rank() -> None:
+        with contextlib.suppress(ProcessLookupError):  # raised once the rank is gone
+            if hasattr(os, "pidfd_open"):  # Linux: readable once the rank has exited
+                select.select([os.pidfd_open(rank_pid)], [], [])
+            else:
+                while True:  # elsewhere: ask every second
+                    os.kill(rank_pid, 0)
+                    time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    # SIGTERM (from here or from the rank) ends the worker in order, through multiprocessing's
+    # exit handler: its pymp-* temp folder goes with it.
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(0))
+    threading.Thread(target=wait_for_rank, name="end-with-rank", daemon=True).start()
+
+
 class DataModule:
     """Datasets and loaders for one rank."""
 
@@ -194,6 +223,7 @@ class DataModule:
             # each worker's torch, random and numpy generators from it and the worker's id, so
             # every worker of every rank has its own random stream (see train_batches).
             generator=torch.Generator().manual_seed(self._worker_seed(epoch=0)),
+            worker_init_fn=functools.partial(end_with_rank, os.getpid()) if workers else None,
         )
 
     def _worker_seed(self, epoch: int) -> int:

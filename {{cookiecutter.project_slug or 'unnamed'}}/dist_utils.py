@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import json
 import logging
+import multiprocessing.util
 import os
 import re
 import signal
@@ -222,7 +223,7 @@ def _exit_on_user_error(message: str) -> None:
             _tell_run_sh(f"error: {message}")
     except Exception:  # the other ranks are not coming: this rank alone hit the problem
         print(f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
-        os._exit(2)
+        exit_now(2)
     # Under run.sh every rank has agreed and the error is on record: exit 0 so that torchrun
     # does not restart a job whose input is wrong; run.sh exits 2. Elsewhere: exit 2.
     leave(0 if os.environ.get("RUN_SH_STATUS_FILE") else 2)
@@ -240,6 +241,24 @@ def leave(code: int) -> NoReturn:
     """
     cleanup()
     atexit._run_exitfuncs()
+    exit_now(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """os._exit, after ending this process's loader workers: a failing rank leaves without its
+    teardown (a peer may be gone mid-collective), and DataLoader workers started by forkserver
+    would outlive it (each waits for its parent, the forkserver, which waits for them).
+    A worker left SIGTERM ends in order (data.end_with_rank); one that does not is killed."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    # multiprocessing's own exit handler, which os._exit skips: it removes its pymp-* temp
+    # folder (once: after atexit it does nothing).
+    multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -446,8 +465,7 @@ class Watchdog(threading.Thread):
             while self.rank == 0 and gone < world and time.monotonic() < deadline:
                 time.sleep(0.05)
                 gone = self.store.add(f"{self.prefix}gone", 0)
-        sys.stderr.flush()
-        os._exit(0 if os.environ.get("RUN_SH_STATUS_FILE") else STALLED_EXIT)
+        exit_now(0 if os.environ.get("RUN_SH_STATUS_FILE") else STALLED_EXIT)
 
 
 UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
@@ -485,8 +503,7 @@ def _report_smoke_test_failure(error: BaseException) -> NoReturn:
         except FileExistsError:
             pass
     _tell_run_sh("failed")
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 def run_main(main: Callable[[list[str]], None]) -> None:
@@ -505,9 +522,7 @@ def run_main(main: Callable[[list[str]], None]) -> None:
     except KeyboardInterrupt:
         # Ctrl-C: leave at once. No destroy_process_group: a peer interrupted in the middle of
         # a collective would leave it waiting (torchrun then kills the job after its timeout).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        exit_now(130)
     except Exception as error:
         if UNUSED_PARAMETERS in str(error):
             # DDP's own message is a page long; the fix is one setting. Every rank runs the same
@@ -533,9 +548,8 @@ def run_main(main: Callable[[list[str]], None]) -> None:
             print(f"rank {rank}: stopping, another process of the job is gone", file=sys.stderr)
         else:
             print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="")
-        sys.stderr.flush()
         # No destroy_process_group: with a peer gone it could wait for that peer forever.
-        os._exit(1)
+        exit_now(1)
     # Not the interpreter's teardown (see leave): freed there, a DDP model can also abort the
     # process (SIGABRT, "terminate called without an active exception"), which torchrun takes
     # for a failure.

@@ -127,16 +127,32 @@ def epoch_records(run_dir: Path) -> list[dict]:
 
 def test_a_raising_rank_ends_the_job_promptly_with_one_report(tmp_path):
     # Promptly: not by the collective timeout, which is set to an hour here, so a job that
-    # waited for it would outlive the test's limit (a hang, not a slow machine).
+    # waited for it would outlive the test's limit (a hang, not a slow machine). With loader
+    # workers: a failing rank used to leave them (and their forkserver) running for good.
+    temp, marker = tmp_path / "temp", f"test-{os.getpid()}-{tmp_path.name}"
+    temp.mkdir()
     result = run(["./run.sh", "tests/fail_at_step.py", *TINY, "ddp.timeout_minutes=60",
-                  f"run.output_dir={tmp_path}"],
-                 timeout=240, NPROC_PER_NODE="2", MAX_RESTARTS="0", FAIL_STEP="7", FAIL_RANK="1")
+                  "data.num_workers=2", f"run.output_dir={tmp_path}"],
+                 timeout=240, NPROC_PER_NODE="2", MAX_RESTARTS="0", FAIL_STEP="7", FAIL_RANK="1",
+                 TMPDIR=str(temp), LEAK_MARKER=marker)
     assert result.returncode != 0
     assert result.stdout.count("ValueError: planted bug at step 7") == 1, result.stdout
     assert result.stdout.count("rank 1 failed:") == 1, result.stdout
-    leftover = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                if str(tmp_path).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert leftover == []  # no orphaned workers
+    assert processes_with(f"LEAK_MARKER={marker}") == []  # no orphaned workers
+    assert not list(temp.glob("pymp-*"))
+
+
+def processes_with(variable: str) -> list[str]:
+    """The command lines of the processes whose environment holds `variable` (NAME=value)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and variable.encode() in (
+                    (entry / "environ").read_bytes().split(b"\0")):
+                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return found
 
 
 def test_bad_resume_input_is_one_line(tmp_path):
