@@ -9,6 +9,7 @@ needs an `if distributed:` of its own.
 import atexit
 import contextlib
 import datetime
+import errno
 import json
 import logging
 import multiprocessing.util
@@ -490,20 +491,66 @@ def no_retries() -> None:
     _SMOKE_TEST = True
 
 
-def _report_smoke_test_failure(error: BaseException) -> NoReturn:
-    """The first failing rank of this machine prints the traceback (a file created exclusively
-    beside run.sh's status file decides which); every rank then exits 0, so that torchrun does
-    not start the job again, and run.sh exits 1 for the 'failed' status."""
-    status_file = os.environ["RUN_SH_STATUS_FILE"]
+def is_transient(error: BaseException) -> bool:
+    """Whether a failure may not happen again, so a restart from the last checkpoint is worth
+    it: a loader worker killed (out of memory), a network or file-system hiccup. An exception of
+    the code or the data (a bug, a bad sample, a model that does not fit) comes back the same."""
+    if isinstance(error, (TimeoutError, ConnectionError)):
+        return True
+    if isinstance(error, OSError):
+        return error.errno in (errno.EIO, errno.ESTALE, errno.EAGAIN, errno.EINTR)
+    return isinstance(error, RuntimeError) and "DataLoader worker (pid" in str(error)
+
+
+def _report_failure(error: BaseException) -> NoReturn:
+    """A rank raised: print the traceback once for this machine, and, under run.sh, end the
+    job for a failure that would only come back (the ranks of a restart leave at once).
+
+    Exit 1, so that torchrun stops the other ranks now (a rank waiting in an NCCL collective
+    would otherwise wait for its timeout). Which rank prints: the first to create a file beside
+    run.sh's status file; without run.sh, every failing rank."""
     rank = os.environ.get("RANK", "0")
-    if not _is_peer_failure(error):
-        try:
+    status_file = os.environ.get("RUN_SH_STATUS_FILE")
+    if _is_peer_failure(error):
+        # Another rank failed (its own report says why) or was killed: leave quietly;
+        # torchrun stops the job, or restarts it from the last checkpoint.
+        if not _job_failed():
+            print(f"rank {rank}: stopping, another process of the job is gone", file=sys.stderr)
+        exit_now(1)
+    try:
+        if status_file:
             os.close(os.open(f"{status_file}.reported", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="")
-        except FileExistsError:
-            pass
-    _tell_run_sh("failed")
-    exit_now(0)
+        print(f"rank {rank} failed:\n{''.join(traceback.format_exception(error))}",
+              file=sys.stderr, end="")
+    except FileExistsError:
+        pass  # another rank of this machine has printed its own
+    if _SMOKE_TEST or not is_transient(error):
+        _tell_run_sh("failed")
+    exit_now(1)
+
+
+def _job_failed() -> bool:
+    """Whether a rank of this run.sh launch has failed in a way that a restart would repeat."""
+    status_file = os.environ.get("RUN_SH_STATUS_FILE")
+    with contextlib.suppress(OSError):
+        return bool(status_file) and Path(status_file).read_text().startswith("failed")
+    return False
+
+
+def _uncaught(kind: type, error: BaseException, trace) -> None:
+    """sys.excepthook under run.sh: an error before run_main (a user file that does not
+    import) is reported like one inside it, once and not retried."""
+    if issubclass(kind, Exception):
+        _report_failure(error)
+    sys.__excepthook__(kind, error, trace)
+
+
+if os.environ.get("RUN_SH_STATUS_FILE"):
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and _job_failed():
+        # torchrun restarted the ranks after a failure that would come back (reported once):
+        # they leave at once, torchrun ends, and run.sh exits 1.
+        os._exit(0)
+    sys.excepthook = _uncaught
 
 
 def run_main(main: Callable[[list[str]], None]) -> None:
@@ -534,22 +581,13 @@ def run_main(main: Callable[[list[str]], None]) -> None:
             _exit_on_user_error(
                 f"the model has parameters that got no gradient{which}; a branch that forward "
                 "did not use: set ddp.find_unused_parameters=true, or remove them")
-        if _SMOKE_TEST and os.environ.get("RUN_SH_STATUS_FILE"):
-            _report_smoke_test_failure(error)
         if _WATCHDOG is not None and _WATCHDOG.stall_reported():
             # A peer stalled and the job is ending (the report is printed): the collective
             # this rank waited in failed because the others left. Leave as they do, without
             # a failure that torchrun would restart into the same stall.
             _WATCHDOG.leave()
-        rank = os.environ.get("RANK", "0")
-        if _is_peer_failure(error):
-            # Another rank failed (its own report says why) or was killed: leave quietly;
-            # torchrun stops the job, or restarts it from the last checkpoint.
-            print(f"rank {rank}: stopping, another process of the job is gone", file=sys.stderr)
-        else:
-            print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="")
         # No destroy_process_group: with a peer gone it could wait for that peer forever.
-        exit_now(1)
+        _report_failure(error)
     # Not the interpreter's teardown (see leave): freed there, a DDP model can also abort the
     # process (SIGABRT, "terminate called without an active exception"), which torchrun takes
     # for a failure.

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -125,12 +126,14 @@ def epoch_records(run_dir: Path) -> list[dict]:
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_raising_rank_ends_the_job_promptly_with_one_report(tmp_path):
+def test_a_raising_rank_ends_the_job_promptly_with_one_report(tmp_path, request):
     # Promptly: not by the collective timeout, which is set to an hour here, so a job that
     # waited for it would outlive the test's limit (a hang, not a slow machine). With loader
     # workers: a failing rank used to leave them (and their forkserver) running for good.
-    temp, marker = tmp_path / "temp", f"test-{os.getpid()}-{tmp_path.name}"
-    temp.mkdir()
+    # A short temp folder: forkserver's socket lives there, and AF_UNIX paths are short.
+    temp = Path(tempfile.mkdtemp(prefix="t-", dir="/tmp"))
+    marker = f"test-{os.getpid()}-{tmp_path.name}"
+    request.addfinalizer(lambda: shutil.rmtree(temp, ignore_errors=True))
     result = run(["./run.sh", "tests/fail_at_step.py", *TINY, "ddp.timeout_minutes=60",
                   "data.num_workers=2", f"run.output_dir={tmp_path}"],
                  timeout=240, NPROC_PER_NODE="2", MAX_RESTARTS="0", FAIL_STEP="7", FAIL_RANK="1",
@@ -140,6 +143,20 @@ def test_a_raising_rank_ends_the_job_promptly_with_one_report(tmp_path):
     assert result.stdout.count("rank 1 failed:") == 1, result.stdout
     assert processes_with(f"LEAK_MARKER={marker}") == []  # no orphaned workers
     assert not list(temp.glob("pymp-*"))
+
+
+@pytest.mark.parametrize("what", ["a model that raises", "an import that fails"])
+def test_an_error_of_every_rank_is_told_once_and_not_retried(tmp_path, what):
+    if what == "a model that raises":
+        args, error = [*TINY, f"model.name={fixture('broken_mlp')}",
+                       f"run.output_dir={tmp_path}"], "mat1 and mat2 shapes cannot be multiplied"
+    else:
+        args, error = ["tests/broken_import.py"], "No module named 'uninstalled_package'"
+    result = run(["./run.sh", *args], timeout=240, NPROC_PER_NODE="2", MAX_RESTARTS="3")
+    assert result.returncode == 1, result.stdout
+    assert result.stdout.count(error) == 1, result.stdout
+    assert result.stdout.count("Traceback") == 1, result.stdout  # torchrun's own: none
+    assert result.stdout.count("run folder:") <= 1, result.stdout  # no attempt started again
 
 
 def processes_with(variable: str) -> list[str]:
