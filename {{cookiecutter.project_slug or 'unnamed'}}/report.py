@@ -188,16 +188,26 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/report"),
                         help="folder for report.png, report.csv and report.md")
     args = parser.parse_args(argv)
-    try:
-        runs = [read_run(path) for path in args.runs]
-    except (FileNotFoundError, json.JSONDecodeError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    empty = [run.name for run in runs if not run.windows and not run.epochs]
-    if empty:
-        print(f"error: no training log in {', '.join(empty)}: pass run folders of train.py",
+    missing = [str(path) for path in args.runs if not path.exists()]
+    if missing:
+        print(f"error: {', '.join(missing)} not found: pass run folders of train.py",
               file=sys.stderr)
         return 2
+    try:
+        runs = [read_run(path) for path in args.runs if path.is_dir()]
+    except json.JSONDecodeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    # runs/* also names mlflow.db, mlartifacts/, sweeps/, report/: passed over, in one line.
+    skipped = [path.name for path in args.runs if not path.is_dir()]
+    skipped += [run.name for run in runs if not run.windows and not run.epochs]
+    runs = [run for run in runs if run.windows or run.epochs]
+    if not runs:
+        print(f"error: no training log in {', '.join(skipped)}: pass run folders of train.py",
+              file=sys.stderr)
+        return 2
+    if skipped:
+        print(f"skipped (not run folders of train.py): {', '.join(skipped)}", file=sys.stderr)
     rows = comparison(runs)
     png = plot_runs(runs, args.out / "report.png")
     tables = write_table(rows, args.out / "report")
