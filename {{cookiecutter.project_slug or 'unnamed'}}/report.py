@@ -194,14 +194,14 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     try:
-        runs = [read_run(path) for path in args.runs if path.is_dir()]
+        found = [read_run(path) if path.is_dir() else None for path in args.runs]
     except json.JSONDecodeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     # runs/* also names mlflow.db, mlartifacts/, sweeps/, report/: passed over, in one line.
-    skipped = [path.name for path in args.runs if not path.is_dir()]
-    skipped += [run.name for run in runs if not run.windows and not run.epochs]
-    runs = [run for run in runs if run.windows or run.epochs]
+    logged = [run is not None and bool(run.windows or run.epochs) for run in found]
+    runs = [run for run, kept in zip(found, logged, strict=True) if kept]
+    skipped = [path.name for path, kept in zip(args.runs, logged, strict=True) if not kept]
     if not runs:
         print(f"error: no training log in {', '.join(skipped)}: pass run folders of train.py",
               file=sys.stderr)

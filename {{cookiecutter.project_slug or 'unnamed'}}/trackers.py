@@ -321,7 +321,8 @@ class Trackers:
         """Open the tracker's run (its thread): what it holds, and the parameters."""
 
         def keep(values: dict) -> None:
-            part.update(values)
+            with self.saving:
+                part.update(values)
             self._save()
 
         tracker.start(dict(part), keep)

@@ -71,12 +71,15 @@ def run_sh(tmp_path: Path, args: list[str], script: str = "evaluate.py", limit_b
         os.killpg(launcher.pid, signal.SIGTERM)  # run.sh's process group, as a scheduler does
     output = finish(launcher)
     assert session_processes(launcher.pid) == [], output
-    # torchrun's own torchelastic_* folders are run.sh's to clean up; torchinductor_<user> is
-    # torch's compile cache, kept on purpose from run to run.
-    ours = [p.name for p in temp.iterdir()
-            if not p.name.startswith(("torchelastic_", "torchinductor_"))]
-    assert ours == [], ours
+    assert left_in(temp) == []
     return launcher.returncode, output
+
+
+def left_in(temp: Path) -> list[str]:
+    """What the project left in a temp folder. torchrun's own torchelastic_* folders are
+    run.sh's to clean up; torchinductor_<user> is torch's compile cache, kept on purpose."""
+    return [path.name for path in temp.iterdir()
+            if not path.name.startswith(("torchelastic_", "torchinductor_"))]
 
 
 def error_lines(output: str) -> list[str]:

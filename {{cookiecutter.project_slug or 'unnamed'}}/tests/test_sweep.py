@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_evaluate_faults import left_in
 from test_faults import descendants, finish, logged_steps, wait_for
 
 import sweep
@@ -154,11 +155,13 @@ def test_bad_numbers_of_trials_and_empty_ranges_are_one_line(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGHUP, signal.SIGTERM])
 def test_a_signal_to_the_sweep_stops_its_running_trial_and_waits_for_it(tmp_path, stop):
+    temp = tmp_path / "temp"
+    temp.mkdir()
     sweeper = subprocess.Popen(
         [sys.executable, "sweep.py", "--name", "stopped", "--out", str(tmp_path), "--nproc", "1",
          "--gpus", "", "optim.lr=0.01,0.02", *TINY, "train.epochs=100"],
         cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env=command_env())
+        start_new_session=True, env=command_env(TMPDIR=str(temp)))
     trial = tmp_path / "stopped" / "trial-000"
     wait_for(lambda: logged_steps(trial.parent) >= 1, sweeper, "the first trial's first step")
     below = descendants(sweeper.pid)
@@ -167,6 +170,7 @@ def test_a_signal_to_the_sweep_stops_its_running_trial_and_waits_for_it(tmp_path
     assert sweeper.returncode == 75, output
     assert "sweep stopped: rerun the same command to continue it" in output, output
     assert [pid for pid in below if Path(f"/proc/{pid}").exists()] == []  # no orphan
+    assert left_in(temp) == []
     assert json.loads((trial / "summary.json").read_text())["status"] == "preempted"
     assert not (tmp_path / "stopped" / "trial-001").exists()
 
