@@ -132,6 +132,9 @@ class TrackingConfig:
     wandb_mode: str = "auto"  # auto (online when logged in, else offline) | online | offline
     project: str = ""  # MLflow experiment / W&B project; "": the project folder's name
     run_name: str = ""  # "": the run folder's name
+    # A tracker call (MLflow / W&B) that takes longer is given up, and the tracker dropped for
+    # the rest of the run: a server that never answers does not hold training up.
+    timeout_seconds: float = 30.0
 
 
 @dataclass
@@ -214,7 +217,7 @@ POSITIVE = (
     "optim.lr",
     "train.epochs", "train.global_batch_size", "train.grad_accum_steps", "train.log_every",
     "profile.start_step", "profile.steps", "profile.top_ops",
-    "ddp.timeout_minutes", "task.pos_weight",
+    "ddp.timeout_minutes", "task.pos_weight", "tracking.timeout_seconds",
     "eval.batch_size", "eval.plot_classes",
 )
 NON_NEGATIVE = (

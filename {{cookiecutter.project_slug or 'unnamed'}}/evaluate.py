@@ -32,7 +32,7 @@ import trackers
 from builtin_tasks import build_task
 from config import UserError, config_from_dict, given_keys, load_config
 from data import DataModule
-from evaluation import evaluate_split, scalars, summary_lines, write_outputs
+from evaluation import OutputFolder, evaluate_split, scalars, summary_lines, write_outputs
 from parallel import build_model
 from speed import resolve_speed
 
@@ -72,55 +72,94 @@ def evaluation_config(cfg: DictConfig, argv: list[str], stored: dict, source: Pa
     return trained
 
 
+def output_folder(cfg: DictConfig, source: Path) -> tuple[Path, Path]:
+    """The run folder of the checkpoint, and where the evaluation goes."""
+    in_run = source.parent.name == "checkpoints"  # else model.pt (or a file) in its run folder
+    run_dir = source.parent.parent if in_run else source.parent
+    return run_dir, Path(cfg.eval.output_dir or run_dir / f"eval-{cfg.eval.split}")
+
+
+def stop_if_asked(result: dict | None, supervisor: dist_utils.Supervisor) -> dict:
+    """A preemption signal (SIGTERM, SIGUSR1) stops every rank, before anything is written."""
+    if result is None or supervisor.should_stop(first=True):
+        raise dist_utils.Preempted("evaluation stopped by a signal, nothing written: run the "
+                                   "same command again")
+    return result
+
+
 def main(argv: list[str]) -> None:
     cfg = load_config(argv)
     env = dist_utils.get_dist_env()
     dist_utils.setup_logging(env)
     device = dist_utils.select_device(env, cfg.train.device)
     dist_utils.init_distributed(env, device, cfg.ddp.backend, cfg.ddp.timeout_minutes)
+    supervisor = dist_utils.Supervisor(env, cfg.ddp.timeout_minutes)
 
-    with dist_utils.agree_on_errors():  # a bad checkpoint stops every rank, reported once
-        source = checkpoint_to_evaluate(cfg)
-        state = checkpoint.load_checkpoint(source)
-        run_cfg = evaluation_config(cfg, argv, state.get("config", {}), source)
-        data = DataModule(run_cfg, env, device)
-        task = build_task(run_cfg, data.splits)
-        input_shape = task.input_shape(data.datasets["train"][0])
-        model = build_model(run_cfg.model, input_shape, task.num_outputs)
-        checkpoint.load_model_weights(model, source, state)
-        # Precision and memory format from this call's speed settings (compile is not used).
-        speed = resolve_speed(run_cfg, device, input_shape)
+    folder = None
+    try:
+        with dist_utils.agree_on_errors():  # a bad checkpoint stops every rank, reported once
+            source = checkpoint_to_evaluate(cfg)
+            state = checkpoint.load_checkpoint(source)
+            run_cfg = evaluation_config(cfg, argv, state.get("config", {}), source)
+            run_dir, out_dir = output_folder(cfg, source)
+            # Rank 0's own work after the evaluation, checked before it: trackers, the folder.
+            trackers.check_for_evaluation(run_cfg, run_dir)
+            if env.is_main:
+                folder = OutputFolder(out_dir)
+                folder.open()
+            data = DataModule(run_cfg, env, device)
+            task = build_task(run_cfg, data.splits)
+            input_shape = task.input_shape(data.datasets["train"][0])
+            model = build_model(run_cfg.model, input_shape, task.num_outputs)
+            checkpoint.load_model_weights(model, source, state)
+            # Precision and memory format from this call's speed settings (no compile).
+            speed = resolve_speed(run_cfg, device, input_shape)
+        result, seconds = evaluate(cfg, model, data, task, device, speed, supervisor)
+        with dist_utils.agree_on_errors():  # a full disk on rank 0 stops every rank, once
+            if env.is_main:
+                header = {"checkpoint": str(source), "step": state.get("step"),
+                          "split": cfg.eval.split, "task": run_cfg.task.name or data.splits.task,
+                          "world_size": env.world_size}
+                written = write_outputs(folder, result, task, header, state.get("step") or 0,
+                                        cfg.eval.split, cfg.eval.save_predictions)
+    finally:
+        if folder is not None:
+            folder.discard()
+    if env.is_main:
+        log.info("evaluated %s on the %s split: %d samples, %d process(es), %.2fs", source,
+                 cfg.eval.split, result["num_samples"], env.world_size, seconds)
+        for line in summary_lines(result, task):
+            log.info(line)
+        log.info("wrote %s in %s", ", ".join(written), out_dir)
+        track(run_cfg, run_dir, result, state.get("step") or 0, cfg.eval.split,
+              [out_dir / name for name in written], out_dir.name)
+
+
+def evaluate(cfg: DictConfig, model, data: DataModule, task, device, speed,
+             supervisor: dist_utils.Supervisor) -> tuple[dict, float]:
+    """The split's metrics on every rank, and the seconds they took."""
     # No DDP wrapper: evaluation computes no gradients, and the weights are the same everywhere.
     model = model.to(device, memory_format=speed.memory_format)
     start = time.perf_counter()
     split, bins = cfg.eval.split, cfg.eval.binned_thresholds
     reference = None
     if split != "val" and task.needs_reference:  # e.g. the decision threshold, chosen on val
-        reference = evaluate_split(model, data.eval_loader("val"), device, task, speed, bins,
-                                   detail=False)
-    result = evaluate_split(model, data.eval_loader(split), device, task, speed, bins, reference)
-    seconds = time.perf_counter() - start
-    if not env.is_main:
-        return
+        reference = stop_if_asked(evaluate_split(
+            model, data.eval_loader("val"), device, task, speed, bins, detail=False,
+            supervisor=supervisor), supervisor)
+    result = stop_if_asked(evaluate_split(model, data.eval_loader(split), device, task, speed,
+                                          bins, reference, supervisor=supervisor), supervisor)
+    return result, time.perf_counter() - start
 
-    in_run = source.parent.name == "checkpoints"  # else model.pt (or a file) in its run folder
-    out_dir = Path(cfg.eval.output_dir or (source.parent.parent if in_run else source.parent)
-                   / f"eval-{split}")
-    header = {"checkpoint": str(source), "step": state.get("step"), "split": split,
-              "task": run_cfg.task.name or data.splits.task, "world_size": env.world_size}
-    written = write_outputs(out_dir, result, task, header, state.get("step") or 0, split,
-                            cfg.eval.save_predictions)
-    log.info("evaluated %s on the %s split: %d samples, %d process(es), %.2fs", source, split,
-             result["num_samples"], env.world_size, seconds)
-    for line in summary_lines(result, task):
-        log.info(line)
-    log.info("wrote %s in %s", ", ".join(written), out_dir)
-    run_dir = source.parent.parent if in_run else source.parent
+
+def track(run_cfg: DictConfig, run_dir: Path, result: dict, step: int, split: str,
+          files: list[Path], folder: str) -> None:
+    """The run's MLflow / W&B run, when it had one: the metrics and the files."""
     tracked = trackers.continue_for_evaluation(run_cfg, run_dir)
-    if tracked:  # the run's MLflow / W&B run: its metrics and files
+    if tracked:
         tracked.log_metrics({f"{split}/{name}": value for name, value in scalars(result).items()},
-                            state.get("step") or 0)
-        tracked.log_files([out_dir / name for name in written], out_dir.name)
+                            step)
+        tracked.log_files(files, folder)
         tracked.close()
 
 

@@ -15,9 +15,13 @@ fixed-size summary per rank instead (task.summarize: counts at N score threshold
 exact this way) and all-reduces it: memory independent of the split's size.
 """
 
+import contextlib
 import json
 import logging
 import math
+import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -212,33 +216,79 @@ def scalars(result: dict) -> dict:
     return {key: value for key, value in result.items() if isinstance(value, float)}
 
 
+class OutputFolder:
+    """Where rank 0 writes an evaluation. Every file goes to a hidden folder inside it first and
+    is moved in place once all of them are written, so a failure (a full disk, a folder that
+    cannot be written) or a stop leaves no file half written; folders this evaluation created
+    are removed again. An OSError becomes one line naming the folder (UserError)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.staging = path / f".eval-{os.getpid()}.tmp"
+        self.created: list[Path] = []  # innermost first
+        self.done = False
+
+    def open(self) -> None:
+        """Create the folders: before the evaluation, so that one that cannot be written is said
+        before any work."""
+        self.created = [p for p in (self.path, *self.path.parents) if not p.exists()]
+        with self.writing():
+            self.staging.mkdir(parents=True)
+
+    def commit(self) -> None:
+        with self.writing():
+            for entry in sorted(self.staging.rglob("*")):
+                if entry.is_file():
+                    target = self.path / entry.relative_to(self.staging)
+                    target.parent.mkdir(exist_ok=True)
+                    os.replace(entry, target)
+        self.done = True
+        self.discard()
+
+    def discard(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+        for folder in [] if self.done else self.created:
+            with contextlib.suppress(OSError):  # not empty: someone else's files are there now
+                folder.rmdir()
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as error:
+            self.discard()
+            raise UserError(f"cannot write the evaluation in {self.path} ({error}): free some "
+                            "space or pass a folder you can write, eval.output_dir=...") from None
+
+
 def write_json(path: Path, value, indent: int | None = 1) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=indent) + "\n")
-    tmp.replace(path)
+    path.write_text(json.dumps(value, indent=indent) + "\n")
 
 
-def write_outputs(out_dir: Path, result: dict, task: Task, header: dict, step: int, split: str,
-                  save_predictions: bool) -> list[str]:
-    """Rank 0: metrics.json, curves.json, the task's plots, TensorBoard, predictions.npz."""
+def write_outputs(folder: OutputFolder, result: dict, task: Task, header: dict, step: int,
+                  split: str, save_predictions: bool) -> list[str]:
+    """Rank 0: metrics.json, curves.json, the task's plots, TensorBoard, predictions.npz, all or
+    none of them (OutputFolder)."""
     from torch.utils.tensorboard import SummaryWriter
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = folder.staging
     report = {**header, **{k: v for k, v in result.items() if k not in ("curves", "rows")}}
-    write_json(out_dir / "metrics.json", report)
-    written = ["metrics.json"]
-    if "curves" in result:
-        write_json(out_dir / "curves.json", result["curves"], indent=None)
-        written.append("curves.json")
-    with SummaryWriter(log_dir=str(out_dir / "tb")) as writer:
-        for name, value in scalars(result).items():
-            writer.add_scalar(f"{split}/{name}", value, step)
-        written += task.write_outputs(result, out_dir, writer, step, split)
-    written.append("tb/")
-    if save_predictions:
-        arrays = task.predictions(result["rows"])
-        np.savez(out_dir / "predictions.npz", **arrays)
-        written.append("predictions.npz")
+    with folder.writing():
+        write_json(out_dir / "metrics.json", report)
+        written = ["metrics.json"]
+        if "curves" in result:
+            write_json(out_dir / "curves.json", result["curves"], indent=None)
+            written.append("curves.json")
+        with SummaryWriter(log_dir=str(out_dir / "tb")) as writer:
+            for name, value in scalars(result).items():
+                writer.add_scalar(f"{split}/{name}", value, step)
+            written += task.write_outputs(result, out_dir, writer, step, split)
+        written.append("tb/")
+        if save_predictions:
+            arrays = task.predictions(result["rows"])
+            np.savez(out_dir / "predictions.npz", **arrays)
+            written.append("predictions.npz")
+    folder.commit()
     return written
 
 

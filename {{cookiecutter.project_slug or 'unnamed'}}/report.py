@@ -188,16 +188,26 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/report"),
                         help="folder for report.png, report.csv and report.md")
     args = parser.parse_args(argv)
-    try:
-        runs = [read_run(path) for path in args.runs]
-    except (FileNotFoundError, json.JSONDecodeError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    empty = [run.name for run in runs if not run.windows and not run.epochs]
-    if empty:
-        print(f"error: no training log in {', '.join(empty)}: pass run folders of train.py",
+    missing = [str(path) for path in args.runs if not path.exists()]
+    if missing:
+        print(f"error: {', '.join(missing)} not found: pass run folders of train.py",
               file=sys.stderr)
         return 2
+    try:
+        found = [read_run(path) if path.is_dir() else None for path in args.runs]
+    except json.JSONDecodeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    # runs/* also names mlflow.db, mlartifacts/, sweeps/, report/: passed over, in one line.
+    logged = [run is not None and bool(run.windows or run.epochs) for run in found]
+    runs = [run for run, kept in zip(found, logged, strict=True) if kept]
+    skipped = [path.name for path, kept in zip(args.runs, logged, strict=True) if not kept]
+    if not runs:
+        print(f"error: no training log in {', '.join(skipped)}: pass run folders of train.py",
+              file=sys.stderr)
+        return 2
+    if skipped:
+        print(f"skipped (not run folders of train.py): {', '.join(skipped)}", file=sys.stderr)
     rows = comparison(runs)
     png = plot_runs(runs, args.out / "report.png")
     tables = write_table(rows, args.out / "report")

@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,8 @@ import report
 from config import PROJECT_DIR, UserError, schema_type
 
 PLAN_FILE = "sweep.json"
+PREEMPTED_EXIT = 75  # as dist_utils.PREEMPTED_EXIT (not imported: it would import torch)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LAUNCH_MARK = "### sweep.py started:"  # heads each launch in a trial's log
 RANGE = re.compile(r"^(uniform|loguniform|int)\((.+),(.+)\)$")
 
@@ -80,6 +83,9 @@ def parse_space(overrides: list[str], random_search: bool) -> tuple[dict, list[s
             if not low_value < high_value or (kind == "loguniform" and low_value <= 0):
                 raise UserError(f"{item}: needs 0 < low < high for loguniform, low < high "
                                 "otherwise")
+            if kind == "int" and math.ceil(low_value) > math.floor(high_value):
+                raise UserError(f"{item}: {key} has no whole number between {low} and {high}: "
+                                "widen the range")
             space[key] = (kind, low_value, high_value)
         elif "," in value:
             values = value.split(",")
@@ -159,7 +165,10 @@ class Sweep:
         self.folder.mkdir(parents=True, exist_ok=True)
         plan = {"trials": self.trials, "fixed": self.fixed, "nproc": self.nproc,
                 "config_file": self.config_file, "pruned": self.pruned}
-        (self.folder / PLAN_FILE).write_text(json.dumps(plan, indent=1) + "\n")
+        path = self.folder / PLAN_FILE
+        tmp = path.with_name(f".{path.name}.tmp")  # a stop while writing keeps the old plan
+        tmp.write_text(json.dumps(plan, indent=1) + "\n")
+        tmp.replace(path)
 
     @classmethod
     def load(cls, folder: Path) -> "Sweep":
@@ -275,6 +284,43 @@ def start_trial(sweep: Sweep, index: int, devices: list[str], threads: int) -> s
                                 start_new_session=True)
 
 
+class Stopped(Exception):
+    """The sweep got a signal; its running trials are stopped."""
+
+    def __init__(self, number: int):
+        super().__init__(signal.Signals(number).name)
+        self.number = number
+
+
+@contextlib.contextmanager
+def trials_stop_with_the_sweep(processes: list[subprocess.Popen]) -> Iterator[None]:
+    """Ctrl-C, SIGTERM from a scheduler or SIGHUP (the terminal closed): every running trial's
+    process group (run.sh and its job) gets SIGTERM, which run.sh treats as a preemption (a
+    checkpoint at the step all ranks reach), and the sweep waits for them before it raises
+    Stopped; a rerun continues. Trials run in sessions of their own, so nothing else tells them."""
+    received: list[int] = []
+
+    def stop(number, frame):
+        for process in processes:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
+        if not received:  # a second signal only forwards: the sweep is waiting already
+            received.append(number)
+            raise Stopped(number)
+
+    previous = {number: signal.signal(number, stop) for number in STOP_SIGNALS}
+    try:
+        yield
+    except Stopped:
+        for process in processes:
+            process.wait()
+        raise
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 def run_local(sweep: Sweep, devices: list[str], max_parallel: int) -> dict[int, int]:
     todo = [i for i in range(len(sweep.trials)) if not sweep.finished(i)]
     done = len(sweep.trials) - len(todo)
@@ -294,24 +340,8 @@ def run_local(sweep: Sweep, devices: list[str], max_parallel: int) -> dict[int, 
         processes.append(process)
         return process
 
-    def stop(signum, frame):
-        # Ctrl-C, or SIGTERM from a scheduler: every running trial gets SIGTERM, which run.sh
-        # treats as a preemption (a checkpoint at the step all ranks reach); a rerun continues.
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with trials_stop_with_the_sweep(processes):
         statuses = run_packed(todo, sweep.nproc, devices, start, max_parallel=max_parallel)
-    except KeyboardInterrupt:
-        for process in processes:
-            process.wait()
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     for index in todo:
         status = statuses[index]
         if status == 0 and sweep.finished(index):
@@ -659,8 +689,14 @@ def optuna_main(args) -> int:
     print(f"sweep {folder}: Optuna, {args.optuna} trial(s), {direction} the validation "
           f"metric, study in {storage}", flush=True)
     threads = max(1, (os.cpu_count() or 1) // max(1, len(devices) or sweep.nproc))
-    run_optuna(sweep, space, args.optuna, devices, storage, direction, args.seed,
-               start=lambda index, block: start_trial(sweep, index, block, threads))
+    processes: list[subprocess.Popen] = []
+
+    def start(index: int, block: list[str]) -> subprocess.Popen:
+        processes.append(start_trial(sweep, index, block, threads))
+        return processes[-1]
+
+    with trials_stop_with_the_sweep(processes):
+        run_optuna(sweep, space, args.optuna, devices, storage, direction, args.seed, start)
     return write_summary(sweep)
 
 
@@ -677,6 +713,8 @@ def main(argv: list[str]) -> int:
             raise UserError(f"--nproc {args.nproc} is not valid: at least 1 process per trial")
         if args.random < 0:
             raise UserError(f"--random {args.random} is not valid: a number of trials, >= 1")
+        if args.optuna < 0:
+            raise UserError(f"--optuna {args.optuna} is not valid: a number of trials, >= 1")
         args.out = args.out if args.out.is_absolute() else PROJECT_DIR / args.out
         args.name = args.name or time.strftime("sweep-%Y%m%d-%H%M%S")
         if args.optuna:
@@ -691,9 +729,11 @@ def main(argv: list[str]) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Stopped) as stop:
         print("sweep stopped: rerun the same command to continue it", file=sys.stderr)
-        return 130
+        # SIGTERM / SIGHUP: stopped on purpose, as a preempted run is (run.sh's 75).
+        interrupted = isinstance(stop, KeyboardInterrupt) or stop.number == signal.SIGINT
+        return 130 if interrupted else PREEMPTED_EXIT
 
 
 if __name__ == "__main__":

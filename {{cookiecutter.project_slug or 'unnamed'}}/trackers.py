@@ -15,15 +15,21 @@ PNG and config.yaml at the end of training; evaluate.py adds its metrics (as <sp
 and its files (metrics.json, curves.json, plots).
 
 Nothing here is imported unless the config turns a tracker on. A tracker that fails (its server
-is down, its disk is full) is reported once and dropped; training goes on. The calls come from
-the training log's tracker thread (training_log.py), never from the training loop.
+is down, its disk is full) is reported once and dropped; training goes on. So is one that does
+not answer within tracking.timeout_seconds (a server that accepts connections and never replies):
+each tracker's calls run on a thread of its own, which the caller stops waiting for. The metrics
+come from the training log's tracker thread (training_log.py), never from the training loop.
 """
 
+import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import os
+import queue
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -213,6 +219,41 @@ class WandbTracker(Tracker):
 TRACKERS = {"mlflow": MLflowTracker, "wandb": WandbTracker}
 
 
+class TrackerTimeout(Exception):
+    """A tracker call that did not return within tracking.timeout_seconds."""
+
+
+class CallThread:
+    """One tracker's calls, in order, on a daemon thread of its own; the caller waits at most
+    `timeout` seconds for each. A call that hangs is left behind in that thread, which the
+    process does not wait for when it ends."""
+
+    def __init__(self, name: str, timeout: float):
+        self.timeout = timeout
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=f"tracker-{name}", daemon=True).start()
+
+    def _serve(self) -> None:
+        while (call := self.calls.get()) is not None:
+            function, args, future = call
+            try:
+                future.set_result(function(*args))
+            except BaseException as error:  # handed to the caller, who reports it
+                future.set_exception(error)
+
+    def __call__(self, function, *args):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.calls.put((function, args, future))
+        try:
+            return future.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise TrackerTimeout(f"no answer within tracking.timeout_seconds={self.timeout:g}"
+                                 ) from None
+
+    def stop(self) -> None:
+        self.calls.put(None)
+
+
 def enabled(cfg: DictConfig) -> list[str]:
     return [name for name in TRACKERS if cfg.tracking.get(name)]
 
@@ -235,13 +276,16 @@ class Trackers:
     def __init__(self, cfg: DictConfig, run_dir: Path):
         self.run_dir = run_dir
         self.trackers = [TRACKERS[name](cfg, run_dir) for name in enabled(cfg)]
-        # A server that is down costs seconds, not minutes of retries (the environment may say
-        # otherwise).
+        timeout = float(cfg.tracking.get("timeout_seconds", 30))
+        # A server that is down costs seconds, not minutes of retries, and a call left behind
+        # by its deadline ends soon after it (the environment may say otherwise).
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(math.ceil(timeout)))
         for tracker in self.trackers:  # imported here, by the main thread (see Writer)
             __import__(tracker.package)
+        self.calls = {tracker.name: CallThread(tracker.name, timeout) for tracker in self.trackers}
+        self.saving = threading.Lock()  # trackers.json: a call left behind may still save it
         self.cfg = cfg
         self.started = False
         self.state: dict = {}
@@ -256,16 +300,38 @@ class Trackers:
     def _save(self) -> None:
         path = self._path()
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.state, indent=1, sort_keys=True))
-        tmp.replace(path)
+        with self.saving:
+            try:
+                tmp.write_text(json.dumps(self.state, indent=1, sort_keys=True))
+                tmp.replace(path)
+            finally:
+                tmp.unlink(missing_ok=True)
 
     def _fail(self, tracker: Tracker, doing: str, error: BaseException) -> None:
         log.warning("%s: cannot %s (%s: %s); going on without %s", tracker.name, doing,
                     type(error).__name__, str(error).splitlines()[0] if str(error) else "",
                     tracker.name)
         self.trackers.remove(tracker)
-        with contextlib.suppress(Exception):
-            tracker.close("failed")
+        if not isinstance(error, TrackerTimeout):  # else its thread is still stuck in a call
+            with contextlib.suppress(Exception):
+                self.calls[tracker.name](tracker.close, "failed")
+        self.calls[tracker.name].stop()
+
+    def _begin(self, tracker: Tracker, part: dict, params: bool) -> None:
+        """Open the tracker's run (its thread): what it holds, and the parameters."""
+
+        def keep(values: dict) -> None:
+            with self.saving:
+                part.update(values)
+            self._save()
+
+        tracker.start(dict(part), keep)
+        held = tracker.logged()
+        ours = part.get("steps", {})
+        self.steps[tracker.name] = {key: max(ours.get(key, -1), held.get(key, -1))
+                                    for key in {*ours, *held}}
+        if params:
+            tracker.log_params(flat_params(self.cfg))
 
     def start(self, params: bool = True) -> None:
         if self.started:
@@ -275,19 +341,8 @@ class Trackers:
             self.state = json.loads(self._path().read_text())
         for tracker in list(self.trackers):
             part = self.state.setdefault(tracker.name, {})
-
-            def keep(values: dict, part=part) -> None:
-                part.update(values)
-                self._save()
-
             try:
-                tracker.start(dict(part), keep)
-                held = tracker.logged()
-                ours = part.get("steps", {})
-                self.steps[tracker.name] = {key: max(ours.get(key, -1), held.get(key, -1))
-                                            for key in {*ours, *held}}
-                if params:
-                    tracker.log_params(flat_params(self.cfg))
+                self.calls[tracker.name](self._begin, tracker, part, params)
             except Exception as error:
                 self._fail(tracker, "start", error)
 
@@ -300,7 +355,7 @@ class Trackers:
             if not new:
                 continue
             try:
-                tracker.log_metrics(new, step)
+                self.calls[tracker.name](tracker.log_metrics, new, step)
             except Exception as error:
                 self._fail(tracker, "log metrics", error)
                 continue
@@ -314,7 +369,7 @@ class Trackers:
         paths = [path for path in paths if path.is_file()]
         for tracker in list(self.trackers):
             try:
-                tracker.log_files(paths, folder)
+                self.calls[tracker.name](tracker.log_files, paths, folder)
             except Exception as error:
                 self._fail(tracker, "upload files", error)
 
@@ -323,18 +378,30 @@ class Trackers:
             return
         for tracker in self.trackers:
             try:
-                tracker.close(status)
+                self.calls[tracker.name](tracker.close, status)
             except Exception as error:
                 log.warning("%s: cannot close the run (%s)", tracker.name, error)
+            self.calls[tracker.name].stop()
         self.trackers = []
 
 
+def _continued(cfg: DictConfig, run_dir: Path) -> bool:
+    """Whether evaluate.py continues the tracker runs of the run that trained the checkpoint:
+    that run had trackers on (its trackers.json)."""
+    return bool(enabled(cfg)) and (run_dir / STATE_FILE).is_file()
+
+
+def check_for_evaluation(cfg: DictConfig, run_dir: Path) -> None:
+    """evaluate.py, before any work: the trackers it will continue are installed (UserError)."""
+    if _continued(cfg, run_dir):
+        check_installed(cfg)
+
+
 def continue_for_evaluation(cfg: DictConfig, run_dir: Path) -> Trackers | None:
-    """evaluate.py: the trackers of the run that trained the checkpoint (its trackers.json),
-    if that run had them on; None otherwise."""
-    if not enabled(cfg) or not (run_dir / STATE_FILE).is_file():
+    """evaluate.py: the trackers of the run that trained the checkpoint, if that run had them
+    on (check_for_evaluation said whether they are installed); None otherwise."""
+    if not _continued(cfg, run_dir):
         return None
-    check_installed(cfg)
     trackers = Trackers(cfg, run_dir)
     trackers.start(params=False)
     return trackers

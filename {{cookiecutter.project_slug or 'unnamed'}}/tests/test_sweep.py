@@ -3,13 +3,18 @@ real 4-trial grid of 2-process runs with one bad trial, rerun, summarised and re
 
 import csv
 import json
+import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from test_evaluate_faults import left_in
+from test_faults import descendants, finish, logged_steps, wait_for
 
 import sweep
 from config import UserError
-from conftest import TINY, run
+from conftest import PROJECT, TINY, command_env, run
 
 
 class PretendTrial:
@@ -73,6 +78,7 @@ def test_the_plan_grid_random_and_bad_input():
         (["optim.lr=1e-3"], False, "nothing to sweep"),
         (["optim.lr=1e-3,1e-3"], False, "each value once"),
         (["run.dir=a,b"], False, "set by the sweep"),
+        (["train.epochs=int(2.5,2.9)"], True, "train.epochs has no whole number"),
     ]:
         with pytest.raises(UserError, match=message):
             sweep.parse_space(overrides, random_search)
@@ -125,6 +131,48 @@ def test_a_grid_of_two_process_trials_survives_a_bad_one_reruns_it_alone_and_ran
     assert ranked == sorted(["trial-000", "trial-001"], key=lambda t: -by_trial[t])
     missing = run([sys.executable, "report.py", str(tmp_path / "nowhere")])
     assert missing.returncode == 2 and missing.stdout.count("error:") == 1
+    # Everything in the sweep folder, as `report.py runs/*` names mlflow.db and the like.
+    everything = run([sys.executable, "report.py", *map(str, sorted(folder.iterdir())),
+                      "--out", str(tmp_path / "report")])
+    assert everything.returncode == 0, everything.stdout
+    assert everything.stdout.count("skipped (not run folders of train.py): logs, summary.csv, "
+                                   "summary.md, summary.png, sweep.json") == 1, everything.stdout
+    assert everything.stdout.count("| trial-") == 3
+
+
+def test_bad_numbers_of_trials_and_empty_ranges_are_one_line(tmp_path):
+    for args, message in [
+        (["--optuna", "-1", "optim.lr=1e-3,3e-3"], "--optuna -1 is not valid"),
+        (["--random", "2", "train.epochs=int(2.5,2.9)"], "train.epochs has no whole number"),
+    ]:
+        result = run([sys.executable, "sweep.py", "--out", str(tmp_path), *args])
+        lines = result.stdout.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stdout
+        assert lines[0].startswith("error: ") and message in lines[0], lines
+    assert list(tmp_path.iterdir()) == []  # no sweep folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGHUP, signal.SIGTERM])
+def test_a_signal_to_the_sweep_stops_its_running_trial_and_waits_for_it(tmp_path, stop):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    sweeper = subprocess.Popen(
+        [sys.executable, "sweep.py", "--name", "stopped", "--out", str(tmp_path), "--nproc", "1",
+         "--gpus", "", "optim.lr=0.01,0.02", *TINY, "train.epochs=100"],
+        cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env=command_env(TMPDIR=str(temp)))
+    trial = tmp_path / "stopped" / "trial-000"
+    wait_for(lambda: logged_steps(trial.parent) >= 1, sweeper, "the first trial's first step")
+    below = descendants(sweeper.pid)
+    sweeper.send_signal(stop)  # to sweep.py alone, as a closed terminal or a scheduler does
+    output = finish(sweeper)
+    assert sweeper.returncode == 75, output
+    assert "sweep stopped: rerun the same command to continue it" in output, output
+    assert [pid for pid in below if Path(f"/proc/{pid}").exists()] == []  # no orphan
+    assert left_in(temp) == []
+    assert json.loads((trial / "summary.json").read_text())["status"] == "preempted"
+    assert not (tmp_path / "stopped" / "trial-001").exists()
 
 
 class PretendRun:

@@ -1,12 +1,14 @@
 """Experiment tracking and run reports with real processes: one MLflow run and one W&B run id per
 job through a worker killed mid-run, a resume and an evaluation, no step logged twice; a tracker
-whose server is down costs a warning, not the run."""
+whose server is down, or never answers, costs a warning, not the run."""
 
 import json
+import socket
 import sys
 from pathlib import Path
 
 import pytest
+from test_evaluate_faults import run_sh
 from test_faults import finish, kill_worker, launch, wait_for
 
 from conftest import TINY, only_run_dir, run
@@ -84,3 +86,22 @@ def test_a_tracker_whose_server_is_down_warns_once_and_the_run_goes_on(tmp_path)
     assert (only_run_dir(tmp_path) / "model.pt").is_file()
 
 
+
+
+def test_a_tracker_server_that_never_answers_is_given_up_and_training_goes_on(tmp_path):
+    pytest.importorskip("mlflow", reason="the [mlflow] extra is not installed")
+    with socket.socket() as server:  # the kernel accepts its connections; nobody answers them
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        uri = f"http://127.0.0.1:{server.getsockname()[1]}"
+        status, output = run_sh(tmp_path, [*TINY, "train.epochs=1", "tracking.mlflow=true",
+                                           f"tracking.mlflow_uri={uri}",
+                                           "tracking.timeout_seconds=2",
+                                           f"run.output_dir={tmp_path / 'runs'}"],
+                                script="train.py",
+                                MLFLOW_HTTP_REQUEST_TIMEOUT="3600")  # only the deadline ends it
+    assert status == 0, output
+    warnings = [line for line in output.splitlines() if "mlflow: cannot" in line]
+    assert len(warnings) == 1, output
+    assert "no answer within tracking.timeout_seconds=2" in warnings[0], warnings
+    assert (only_run_dir(tmp_path / "runs") / "model.pt").is_file()
