@@ -10,6 +10,7 @@ second before it starts any worker (`python config.py --world-size 2 optim.lr=0.
 """
 
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -307,7 +308,38 @@ def parse_args(argv: list[str]) -> tuple[Path, list[str]]:
     return config_file, overrides
 
 
+SEEDS = ("run.seed", "data.split_seed")  # numpy takes seeds from 0 to 2**32 - 1
+MIN_TIMEOUT_MINUTES = 0.5  # the stall watchdog samples every few seconds: shorter is all noise
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    """Values every key must meet whatever its meaning: finite, seeds numpy takes."""
+    for key, value in _leaves(OmegaConf.to_container(cfg, resolve=False)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{key}={value} is not valid: it must be a finite number")
+    for key in SEEDS:
+        if not 0 <= OmegaConf.select(cfg, key) < 2**32:
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)} is not valid: a seed must be "
+                            f"between 0 and {2**32 - 1}")
+    if not 0 <= cfg.model.dropout < 1:
+        raise UserError(f"model.dropout={cfg.model.dropout} is not valid: it must be at least 0 "
+                        "and below 1")
+    if cfg.ddp.timeout_minutes < MIN_TIMEOUT_MINUTES:
+        raise UserError(f"ddp.timeout_minutes={cfg.ddp.timeout_minutes} is too short: below "
+                        f"{MIN_TIMEOUT_MINUTES} every healthy step would be reported as a stall")
+
+
+def _leaves(node: dict, prefix: str = ""):
+    """(dotted key, value) for every value of a config, as OmegaConf.to_container gives it."""
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
 def _check_values(cfg: DictConfig, world_size: int | None) -> None:
+    _check_numbers(cfg)
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:

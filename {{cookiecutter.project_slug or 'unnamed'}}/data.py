@@ -182,6 +182,11 @@ class DataModule:
         self.splits = build_splits(cfg)
         self.datasets = {"train": self.splits.train, "val": self.splits.val,
                          "test": self.splits.test}
+        if len(self.splits.train) < cfg.train.global_batch_size:
+            raise UserError(
+                f"the training split has {len(self.splits.train)} samples, fewer than one global "
+                f"batch (train.global_batch_size={cfg.train.global_batch_size}): lower "
+                "train.global_batch_size, or give the dataset more samples")
 
         # The config's batch size is the global one; config.check_batch_divides has made sure
         # it splits evenly, so every rank runs the same number of steps per epoch.

@@ -156,6 +156,12 @@ def test_config_file_and_launcher_flags(tmp_path):
         (["epochs"], None, "not a key=value override"),
         (["--bogus"], None, "unknown option --bogus"),
         (["train.global_batch_size=64"], 3, "does not divide by the 3 processes"),
+        (["optim.lr=nan"], None, "optim.lr=nan is not valid: it must be a finite number"),
+        (["optim.grad_clip=inf"], None, "optim.grad_clip=inf is not valid"),
+        (["data.split_seed=-1"], None, "a seed must be between 0 and 4294967295"),
+        (["run.seed=4294967296"], None, "run.seed=4294967296 is not valid"),
+        (["model.dropout=1"], None, "model.dropout=1.0 is not valid"),
+        (["ddp.timeout_minutes=0.01"], None, "every healthy step would be reported as a stall"),
     ],
 )
 def test_bad_input_names_the_key(argv, world_size, expected):

@@ -62,3 +62,10 @@ def test_a_dataset_that_does_not_build_splits_is_one_line(tmp_path):
     with pytest.raises(UserError, match="its builder must return splits.Splits, not list"):
         DataModule(load_config([*TINY, f"data.dataset={source}:build"]), DistEnv(0, 0, 1, False),
                    torch.device("cpu"))
+
+
+def test_a_training_split_smaller_than_one_global_batch_is_one_line():
+    from config import UserError
+    cfg = load_config([*TINY, "train.global_batch_size=240"])  # 228 training samples
+    with pytest.raises(UserError, match="the training split has 228 samples, fewer than one"):
+        DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
