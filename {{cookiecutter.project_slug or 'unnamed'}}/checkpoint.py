@@ -12,7 +12,8 @@
   ranks train on while a background thread writes.
 - Loading is safe (tensors and plain data, never code: `weights_only=True`, and DCP's metadata
   read by an unpickler that allows its own classes only), and every mistake (a missing,
-  truncated or foreign checkpoint, a model of another shape) is one line.
+  truncated or foreign checkpoint, a model of another shape) is one line. Every checkpoint's
+  files are checked against its manifest first; a run folder means its newest intact one.
 - model.pt, written at the end of training (export.py makes one from any checkpoint), is the
   whole model in one file: what evaluate.py loads as well as a checkpoint, and what you ship.
 """
@@ -340,7 +341,8 @@ def hold(path: Path) -> bool:
         handle = open(path / STATE_FILE, "rb")  # noqa: SIM115 (kept open: the lock lasts with it)
     except FileNotFoundError:
         return False
-    fcntl.flock(handle, fcntl.LOCK_SH)  # waits while a pruner deletes it
+    with contextlib.suppress(OSError):  # a file system without locks: read it unprotected
+        fcntl.flock(handle, fcntl.LOCK_SH)  # waits while a pruner deletes it
     try:
         still_there = os.path.samestat(os.fstat(handle.fileno()), os.stat(path / STATE_FILE))
     except FileNotFoundError:
@@ -374,8 +376,8 @@ def newest_intact(folder: Path, purpose: str, none_ok: bool = False, tries: int 
         if skipped:
             damaged = "; ".join(f"{name} is damaged ({why})" for name, why in skipped.items())
             if chosen is None:
-                raise UserError(f"no intact checkpoint in {folder}: {damaged}; start anew with "
-                                "train.resume=never, or copy the run again")
+                raise UserError(f"no intact checkpoint in {folder}: {damaged}; copy the run "
+                                "again from where it came from, or train anew in another folder")
             log.warning("%s; %s %s", damaged, purpose, chosen.name)
         if chosen is None and not none_ok:
             raise UserError(f"no checkpoint in {folder}: expected {folder}/step-<N>/")
@@ -726,14 +728,19 @@ def prune_checkpoints(folder: Path, keep: int) -> None:
 
 def _remove_unless_held(path: Path) -> None:
     """Delete a checkpoint, unless a reader holds it (hold): then a later save prunes it."""
-    with contextlib.suppress(FileNotFoundError), open(path / STATE_FILE, "rb") as handle:
-        try:
+    doomed = path.with_name(f".{path.name}.tmp-pruned")  # a leftover the next prune removes
+    try:
+        # r+: NFS takes an exclusive lock only on a file open for writing.
+        with open(path / STATE_FILE, "r+b") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return
-        shutil.rmtree(path, ignore_errors=True)  # under the lock: a reader waits, then sees it gone
+            os.replace(path, doomed)  # under the lock: a reader waits, then finds it gone
+        shutil.rmtree(doomed, ignore_errors=True)
         return
-    shutil.rmtree(path, ignore_errors=True)  # no state.pt: not a checkpoint anyone can hold
+    except BlockingIOError:
+        return
+    except OSError:  # no state.pt, or a file system without locks
+        pass
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def export_model(model_state: dict, path: Path, step: int, cfg: DictConfig) -> None:
