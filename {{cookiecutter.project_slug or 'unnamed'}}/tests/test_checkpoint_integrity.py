@@ -170,3 +170,24 @@ def test_a_checkpoint_pruned_before_it_is_opened_gives_way_to_the_then_newest(
     assert source == run_dir / "checkpoints" / "step-00000003"
     assert torch.equal(checkpoint.read_model(source)["w"], torch.ones(3))
     checkpoint.release(source)
+
+
+@pytest.mark.slow
+def test_a_training_process_prunes_around_a_checkpoint_another_process_reads(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    source = checkpoint.find_checkpoint(str(run_dir))  # this process reads step 19, as evaluate
+    result = run([sys.executable, "train.py", *ARGS, "train.epochs=2", "train.ckpt_every=2",
+                  "train.keep_checkpoints=1", f"run.dir={run_dir}"])
+    assert result.returncode == 0, result.stdout
+    assert [path.name for path in list_checkpoints(run_dir / "checkpoints")] == [
+        "step-00000019", "step-00000038"]
+    assert verified(source) and checkpoint.read_model(source)
+    checkpoint.release(source)
+
+
+def test_a_run_without_an_intact_checkpoint_is_one_line(tmp_path):
+    run_dir = a_run(tmp_path / "run", 1)
+    (run_dir / "checkpoints" / "step-00000001" / "state.pt").write_bytes(b"")
+    with pytest.raises(UserError, match=r"no intact checkpoint in .*: step-00000001 is damaged "
+                                        r"\(state.pt: 0 bytes, \d+ in its manifest\)"):
+        checkpoint.find_checkpoint(str(run_dir))
