@@ -31,6 +31,7 @@ import socket
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,15 +206,10 @@ def find_checkpoint(spec: str) -> Path:
         return newest_intact(folder, "reading")
     if not path.exists():
         raise UserError(f"checkpoint not found: {path}")
-    try:
-        if path.is_dir() and not hold(path):
+    if path.is_dir():
+        if not hold(path):
             raise Vanished(path)
-        if path.is_dir():
-            verified(path)
-    except Vanished:
-        raise UserError(f"cannot load checkpoint {path}: it was deleted while it was being "
-                        "opened (pruned by the training that wrote it?): give its run folder"
-                        ) from None
+        verified(path)
     return path
 
 
@@ -243,7 +239,7 @@ def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
     return path
 
 
-def chosen_by_rank_0(choose) -> Path | None:
+def chosen_by_rank_0(choose: Callable[[], Path | None]) -> Path | None:
     """The checkpoint `choose()` returns on rank 0 (there verified and held), the same on every
     rank (collective): one process reads the checksums, and a mistake is one line."""
     with dist_utils.agree_on_errors():
@@ -265,8 +261,12 @@ class Damaged(UserError):
             "this one again from where it came from")
 
 
-class Vanished(Exception):
+class Vanished(UserError):
     """A checkpoint deleted while it was being opened (pruned by the training that wrote it)."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"cannot load checkpoint {path}: it was deleted while it was being "
+                         "opened (pruned by the training that wrote it?): give its run folder")
 
 
 def _crc32(file: Path) -> int:
@@ -370,8 +370,7 @@ def newest_intact(folder: Path, purpose: str, none_ok: bool = False, tries: int 
         try:
             chosen = next((path for path in candidates if _intact(path, skipped)), None)
         except Vanished as gone:
-            log.warning("%s was deleted while it was being opened (pruned?): taking the then "
-                        "newest checkpoint", gone)
+            log.warning("%s; taking the then newest checkpoint", gone)
             continue
         if skipped:
             damaged = "; ".join(f"{name} is damaged ({why})" for name, why in skipped.items())
