@@ -97,6 +97,19 @@ def test_export_of_a_run_takes_its_newest_intact_checkpoint(trained, tmp_path):
     assert torch.load(tmp_path / "model.pt", weights_only=True)["step"] == 14
 
 
+@pytest.mark.slow
+def test_evaluate_of_a_run_takes_its_newest_intact_checkpoint(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    damage(run_dir / "checkpoints" / "step-00000019" / "__0_0.distcp")
+    result = run(["./run.sh", "evaluate.py", f"eval.checkpoint={run_dir}",
+                  f"eval.output_dir={tmp_path / 'eval'}"], NPROC_PER_NODE="2")
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.count("step-00000019 is damaged (__0_0.distcp: checksum differs); "
+                               "reading step-00000014") == 1, result.stdout
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["step"] == 14 and metrics["checkpoint"].endswith("step-00000014")
+
+
 def test_verification_names_the_file_that_differs(tmp_path):
     folder = a_checkpoint(tmp_path / "step-00000001")
     checkpoint.write_manifest(folder)
