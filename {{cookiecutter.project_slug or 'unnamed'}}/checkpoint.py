@@ -12,7 +12,8 @@
   ranks train on while a background thread writes.
 - Loading is safe (tensors and plain data, never code: `weights_only=True`, and DCP's metadata
   read by an unpickler that allows its own classes only), and every mistake (a missing,
-  truncated or foreign checkpoint, a model of another shape) is one line.
+  truncated or foreign checkpoint, a model of another shape) is one line. Every checkpoint's
+  files are checked against its manifest first; a run folder means its newest intact one.
 - model.pt, written at the end of training (export.py makes one from any checkpoint), is the
   whole model in one file: what evaluate.py loads as well as a checkpoint, and what you ship.
 """
@@ -29,6 +30,8 @@ import shutil
 import socket
 import time
 import warnings
+import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,11 +172,14 @@ def open_run_dir(cfg: DictConfig, env: DistEnv) -> RunDir:
 #       state.pt                       the rest, small (position, LR schedule, loss scaler, training
 #                                      statistics, every rank's random generators, the config),
 #                                      written by rank 0
+#       manifest.json                  every file's size and checksum, written last by rank 0:
+#                                      verified before a checkpoint is read
 #   model.pt                         the final weights in one file (export.py makes one from any
 #                                    checkpoint): what evaluate.py and a shipped model need
 
 SHARDED_PARTS = ("model", "optimizer")  # saved by every rank through DCP; the rest in state.pt
 STATE_FILE = "state.pt"
+MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.pt"  # the run's final model, in one file
 EXPORT_FORMAT = "model export"  # the `format` entry of a one-file export
 
@@ -192,35 +198,38 @@ def list_checkpoints(folder: Path) -> list[Path]:
 
 
 def find_checkpoint(spec: str) -> Path:
-    """A checkpoint folder or a model file as given, or the latest checkpoint of a run folder."""
+    """A checkpoint folder or a model file as given, verified; or the newest intact checkpoint
+    of a run folder. Either is held (`hold`): pruning leaves it while this process lives."""
     path = Path(spec)
     if path.is_dir() and not is_checkpoint(path):
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        found = list_checkpoints(folder)
-        if not found:
-            raise UserError(f"no checkpoint in {path}: expected {folder}/step-<N>/")
-        return found[-1]
+        return newest_intact(folder, "reading")
     if not path.exists():
         raise UserError(f"checkpoint not found: {path}")
+    if path.is_dir():
+        if not hold(path):
+            raise Vanished(path)
+        verified(path)
     return path
 
 
 def newest_run(output_dir: Path) -> Path | None:
     """The run folder under `output_dir` whose latest checkpoint was written last."""
-    latest = [found[-1] for run in Path(output_dir).glob("*/checkpoints")
-              if (found := list_checkpoints(run))]
-    return max(latest, key=lambda p: p.stat().st_mtime).parent.parent if latest else None
+    written = {}
+    for run in Path(output_dir).glob("*/checkpoints"):
+        with contextlib.suppress(OSError, IndexError):  # pruned while it is looked at
+            written[run.parent] = list_checkpoints(run)[-1].stat().st_mtime
+    return max(written, key=written.get) if written else None
 
 
 def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
-    """train.resume: auto -> this run's latest checkpoint (None for a new run); never -> None;
-    anything else -> that checkpoint, or that run folder's latest checkpoint. Once this run has
-    checkpoints of its own (a torchrun restart), its latest one wins over both."""
+    """Rank 0: train.resume: auto -> this run's newest intact checkpoint (None for a new run);
+    never -> None; anything else -> that checkpoint, verified, or that run folder's newest intact
+    one. Once this run has checkpoints of its own (a torchrun restart), they win over both."""
     if cfg.train.resume == "never":
         return None
-    found = list_checkpoints(run_dir / "checkpoints")
-    if found or cfg.train.resume == "auto":
-        return found[-1] if found else None
+    if list_checkpoints(run_dir / "checkpoints") or cfg.train.resume == "auto":
+        return newest_intact(run_dir / "checkpoints", "resuming from", none_ok=True)
     if not Path(cfg.train.resume).exists():
         raise UserError(f"train.resume={cfg.train.resume}: no such checkpoint or run folder")
     path = find_checkpoint(cfg.train.resume)
@@ -228,6 +237,168 @@ def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
         raise UserError(f"train.resume={cfg.train.resume} is not a checkpoint folder (a model "
                         "file holds weights only): give a run folder or its checkpoints/step-<N>")
     return path
+
+
+def chosen_by_rank_0(choose: Callable[[], Path | None]) -> Path | None:
+    """The checkpoint `choose()` returns on rank 0 (there verified and held), the same on every
+    rank (collective): one process reads the checksums, and a mistake is one line."""
+    with dist_utils.agree_on_errors():
+        chosen = choose() if dist_utils.is_main_process() else None
+    chosen = dist_utils.broadcast_object(str(chosen) if chosen else None)
+    return Path(chosen) if chosen else None
+
+
+# --- verifying and holding checkpoints -----------------------------------------------------------
+
+class Damaged(UserError):
+    """A checkpoint file that is missing, or differs from its manifest."""
+
+    def __init__(self, path: Path, file: str, why: str):
+        self.path, self.file, self.why = path, file, why
+        super().__init__(
+            f"cannot load checkpoint {path}: {file} is damaged ({why}): give an earlier "
+            "checkpoint of the run, or its run folder to use the newest intact one, or copy "
+            "this one again from where it came from")
+
+
+class Vanished(UserError):
+    """A checkpoint deleted while it was being opened (pruned by the training that wrote it)."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"cannot load checkpoint {path}: it was deleted while it was being "
+                         "opened (pruned by the training that wrote it?): give its run folder")
+
+
+def _crc32(file: Path) -> int:
+    # crc32, not sha256: the manifest is there to catch damage (a bad disk, a cut copy), not
+    # tampering (loading is safe anyway), and zlib's crc32 reads a checkpoint several times faster.
+    crc = 0
+    with open(file, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(folder: Path) -> None:
+    """manifest.json: every file of a complete checkpoint folder, its size and checksum; written
+    last (temporary file, flushed, renamed), so a folder with one holds everything it names."""
+    files = {file.name: {"bytes": file.stat().st_size, "crc32": _crc32(file)}
+             for file in sorted(Path(folder).iterdir()) if file.is_file()}
+    tmp = Path(folder) / f".{MANIFEST_FILE}.tmp"
+    with open(tmp, "w") as handle:
+        json.dump({"files": files}, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, Path(folder) / MANIFEST_FILE)
+
+
+def verified(path: Path) -> bool:
+    """Whether a checkpoint folder matches its manifest: True; False (and one line) when it has
+    none (saved by an older version); Damaged names the first file that is missing or differs;
+    Vanished when the folder itself is gone."""
+    path = Path(path)
+    try:
+        files = json.loads((path / MANIFEST_FILE).read_text())["files"]
+        expected = {name: (int(entry["bytes"]), int(entry["crc32"]))
+                    for name, entry in files.items()}
+    except FileNotFoundError:
+        if not path.is_dir():
+            raise Vanished(path) from None
+        log.warning("%s has no %s (saved by an older version): it could not be verified",
+                    path, MANIFEST_FILE)
+        return False
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        raise Damaged(path, MANIFEST_FILE, "unreadable") from None
+    for name, (size, _) in expected.items():  # sizes first: a cut copy shows at once
+        if (found := _measure(path, name, lambda file: file.stat().st_size)) != size:
+            raise Damaged(path, name, f"{found} bytes, {size} in its manifest")
+    for name, (_, crc) in expected.items():
+        if _measure(path, name, _crc32) != crc:
+            raise Damaged(path, name, "checksum differs")
+    return True
+
+
+def _measure(path: Path, name: str, measure) -> int:
+    try:
+        return measure(path / name)
+    except FileNotFoundError:
+        if not path.is_dir():
+            raise Vanished(path) from None
+        raise Damaged(path, name, "missing") from None
+
+
+_held: dict[Path, object] = {}  # checkpoint -> its open state.pt, share-locked
+
+
+def hold(path: Path) -> bool:
+    """A shared lock on a checkpoint (its state.pt) until release() or the end of this process:
+    prune_checkpoints leaves a held checkpoint for a later save, so evaluate.py and export.py
+    read a whole one while training prunes. False when it was deleted before the lock."""
+    path = Path(path)
+    if path in _held:
+        return True
+    try:
+        handle = open(path / STATE_FILE, "rb")  # noqa: SIM115 (kept open: the lock lasts with it)
+    except FileNotFoundError:
+        return False
+    with contextlib.suppress(OSError):  # a file system without locks: read it unprotected
+        fcntl.flock(handle, fcntl.LOCK_SH)  # waits while a pruner deletes it
+    try:
+        still_there = os.path.samestat(os.fstat(handle.fileno()), os.stat(path / STATE_FILE))
+    except FileNotFoundError:
+        still_there = False
+    if not still_there:
+        handle.close()
+        return False
+    _held[path] = handle
+    return True
+
+
+def release(path: Path) -> None:
+    if (handle := _held.pop(Path(path), None)) is not None:
+        handle.close()
+
+
+def newest_intact(folder: Path, purpose: str, none_ok: bool = False, tries: int = 5) -> Path | None:
+    """The newest checkpoint in `folder` that matches its manifest, held (`hold`). Damaged ones
+    are skipped, with one line naming each and why; one deleted while it was opened (pruned by
+    the training that wrote it) gives way to the then newest, `tries` times at most."""
+    skipped: dict[str, str] = {}
+    for _ in range(tries):
+        candidates = [path for path in reversed(list_checkpoints(folder))
+                      if path.name not in skipped]
+        try:
+            chosen = next((path for path in candidates if _intact(path, skipped)), None)
+        except Vanished as gone:
+            log.warning("%s; taking the then newest checkpoint", gone)
+            continue
+        if skipped:
+            damaged = "; ".join(f"{name} is damaged ({why})" for name, why in skipped.items())
+            if chosen is None:
+                raise UserError(f"no intact checkpoint in {folder}: {damaged}; copy the run "
+                                "again from where it came from, or train anew in another folder")
+            log.warning("%s; %s %s", damaged, purpose, chosen.name)
+        if chosen is None and not none_ok:
+            raise UserError(f"no checkpoint in {folder}: expected {folder}/step-<N>/")
+        return chosen
+    raise UserError(f"the checkpoints in {folder} were deleted as fast as they were opened, "
+                    f"{tries} times: is something pruning them all?")
+
+
+def _intact(path: Path, skipped: dict) -> bool:
+    """Held and verified (or without a manifest); a damaged one is noted in `skipped`."""
+    if not hold(path):
+        raise Vanished(path)
+    try:
+        verified(path)
+    except Damaged as damaged:
+        release(path)
+        skipped[path.name] = f"{damaged.file}: {damaged.why}"
+        return False
+    except Vanished:
+        release(path)
+        raise
+    return True
 
 
 # --- saving --------------------------------------------------------------------------------------
@@ -494,6 +665,7 @@ class Checkpointer:
         """Rank 0: the complete checkpoint renamed into place (atomic), older ones pruned."""
         if not self.env.is_main:
             return
+        write_manifest(tmp)  # DCP's save returns on rank 0 once every rank's part is on disk
         if path.exists():  # a checkpoint of this step from an attempt that ended after it
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -529,7 +701,8 @@ class Checkpointer:
                     write_failure(cause, self.pending_path, self.pending_bytes) if cause else None)
                 if message:
                     raise UserError(message) from None
-                raise RuntimeError(f"writing {self.pending_path} failed: {error}") from None
+                raise RuntimeError(f"writing {self.pending_path} failed: {one_line(error)}"
+                                   ) from None
             except Exception as error:  # this rank's alone (rank 0 renaming, say)
                 if (cause := _cause(error)) is not None:
                     raise UserError(write_failure(cause, self.pending_path,
@@ -549,7 +722,24 @@ def prune_checkpoints(folder: Path, keep: int) -> None:
             leftover.unlink(missing_ok=True)
     if keep:
         for old in list_checkpoints(folder)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_unless_held(old)
+
+
+def _remove_unless_held(path: Path) -> None:
+    """Delete a checkpoint, unless a reader holds it (hold): then a later save prunes it."""
+    doomed = path.with_name(f".{path.name}.tmp-pruned")  # a leftover the next prune removes
+    try:
+        # r+: NFS takes an exclusive lock only on a file open for writing.
+        with open(path / STATE_FILE, "r+b") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.replace(path, doomed)  # under the lock: a reader waits, then finds it gone
+        shutil.rmtree(doomed, ignore_errors=True)
+        return
+    except BlockingIOError:
+        return
+    except OSError:  # no state.pt, or a file system without locks
+        pass
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def export_model(model_state: dict, path: Path, step: int, cfg: DictConfig) -> None:
@@ -679,10 +869,21 @@ def read_sharded(path: Path, targets: dict, distributed: bool) -> None:
                             "tensors and plain data, which could run code when loaded") from None
         if "size mismatch" in detail.lower():
             raise UserError(f"checkpoint {path} does not fit the model: a tensor's shape "
-                            f"differs ({detail[:200]})") from None
+                            f"differs ({one_line(error)})") from None
         if (cause := _cause(error)) is not None:
             raise UserError(f"cannot load checkpoint {path}: {cause}") from None
-        raise UserError(f"cannot load checkpoint {path}: {detail[:300]}") from None
+        raise UserError(f"cannot load checkpoint {path}: reading its shards failed "
+                        f"({one_line(error)}), so a file is likely truncated or damaged: copy it "
+                        "again, or give an earlier checkpoint") from None
+
+
+def one_line(error: BaseException) -> str:
+    """A failure in one short line: the exception a rank raised inside DCP (not DCP's wrapper,
+    whose text is every rank's traceback), its first sentence."""
+    root = next(iter(getattr(error, "failures", {}).values()), error)
+    root = root[0] if isinstance(root, tuple) else root
+    text = " ".join(str(root).split()).split(". ")[0][:200]
+    return f"{type(root).__name__}: {text}" if text else type(root).__name__
 
 
 def read_tensors(path: Path, part: str = "model") -> dict:

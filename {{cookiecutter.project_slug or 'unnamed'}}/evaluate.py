@@ -5,8 +5,8 @@
     ./run.sh evaluate.py eval.checkpoint=runs/<run>/model.pt  # the final model, in one file
     python evaluate.py eval.checkpoint=runs/<run> data.root=/scratch/moved   # one process
 
-A run folder means its latest checkpoint; a checkpoint folder (checkpoints/step-N, saved by any
-number of processes, DDP or FSDP) and a one-file model (model.pt, export.py) load alike, into
+A run folder means its newest intact checkpoint; a checkpoint folder (checkpoints/step-N, saved
+by any number of processes, DDP or FSDP) and a one-file model (model.pt, export.py) load alike, into
 the bare model on every rank. The model and the task come from the checkpoint (with the config
 it was trained with); data settings may be overridden (data that moved: `data.root=`), and so
 may the evaluation, speed and device settings. A `model.*` or `task.*` override that
@@ -96,9 +96,10 @@ def main(argv: list[str]) -> None:
     supervisor = dist_utils.Supervisor(env, cfg.ddp.timeout_minutes)
 
     folder = None
+    # Chosen, verified and held by rank 0: a run that trains on may not prune it meanwhile.
+    source = checkpoint.chosen_by_rank_0(lambda: checkpoint_to_evaluate(cfg))
     try:
         with dist_utils.agree_on_errors():  # a bad checkpoint stops every rank, reported once
-            source = checkpoint_to_evaluate(cfg)
             state = checkpoint.load_checkpoint(source)
             run_cfg = evaluation_config(cfg, argv, state.get("config", {}), source)
             run_dir, out_dir = output_folder(cfg, source)

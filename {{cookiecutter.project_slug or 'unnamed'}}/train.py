@@ -198,8 +198,10 @@ def setup(argv: list[str]) -> Setup:
             model = build_model(cfg.model, input_shape, task.num_outputs)
             speed = resolve_speed(cfg, device, input_shape)
             trackers.check_installed(cfg)
-            resume_from = checkpoint.checkpoint_to_resume(cfg, run.path)
-            if resume_from:  # a damaged checkpoint is one line before any model is built
+        resume_from = checkpoint.chosen_by_rank_0(
+            lambda: checkpoint.checkpoint_to_resume(cfg, run.path))
+        if resume_from:
+            with dist_utils.agree_on_errors():  # a damaged checkpoint: one line, nothing wrapped
                 saved_config = checkpoint.load_checkpoint(resume_from).get("config")
                 refuse_fixed_settings(cfg, saved_config, resume_from)
     except BaseException:
@@ -231,6 +233,7 @@ def setup(argv: list[str]) -> Setup:
         except BaseException:
             run.discard_if_unused()
             raise
+        checkpoint.release(resume_from)  # read on every rank: this run's saves may prune it
         s.log.resume(s.position, truncate=s.position.step < total_steps)
         apply_changed_settings(s, saved_config)
         log.info("resumed from %s: step %d, epoch %d, %d step(s) into it", resume_from,

@@ -17,7 +17,7 @@ from test_distributed import assert_same_numbers, evaluate_with
 from test_faults import epoch_records, finish, kill_worker, launch, logged_steps, wait_for
 
 import checkpoint
-from checkpoint import MODEL_FILE, STATE_FILE, list_checkpoints, read_tensors
+from checkpoint import MODEL_FILE, STATE_FILE, list_checkpoints, read_tensors, verified
 from config import UserError
 from conftest import TINY, TRIALS, RunsCode, only_run_dir, run
 
@@ -157,6 +157,7 @@ def test_asynchronous_saves_write_what_synchronous_ones_write(tmp_path):
                         for mode in ("false", "true"))
     assert [p.name for p in sync] == [p.name for p in background] and len(sync) == 4
     for a, b in zip(sync, background, strict=True):
+        assert verified(a) and verified(b)  # both wrote a manifest that matches
         assert_bitwise_equal(saved_tensors(a), saved_tensors(b))
         small = [torch.load(path / STATE_FILE, weights_only=True) for path in (a, b)]
         assert [s["step"] for s in small] == [int(a.name[5:])] * 2

@@ -90,7 +90,8 @@ def test_classification_trains_with_run_sh_and_evaluates_exactly(tmp_path, tiny_
     # Every rank wrote its share of the checkpoint (DDP: the tensors every rank holds, dealt out).
     shards = run_dir / "checkpoints" / saved[-1]
     assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp",
-                                                        "__1_0.distcp", "state.pt"]
+                                                        "__1_0.distcp", "manifest.json",
+                                                        "state.pt"]
     assert all(p.stat().st_size > 1000 for p in shards.glob("*.distcp"))
     assert len(list((run_dir / "tb").iterdir())) == 1  # one event file: rank 0's
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3

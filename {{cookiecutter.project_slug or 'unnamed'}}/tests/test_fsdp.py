@@ -9,7 +9,7 @@ import sys
 import pytest
 from test_distributed import assert_same_numbers, check_equivalence, evaluate_with
 
-from checkpoint import list_checkpoints
+from checkpoint import list_checkpoints, verified
 from conftest import TINY, only_run_dir, run
 
 pytestmark = pytest.mark.slow
@@ -69,4 +69,6 @@ def test_fsdp_checkpoint_resumes_at_another_process_count(two_process_run, tmp_p
     assert more.returncode == 0, more.stdout
     assert more.stdout.count(f"resuming {nproc} process(es) from a checkpoint of 2") == 1
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
-    assert len(list_checkpoints(run_dir / "checkpoints")) > saved
+    newest = list_checkpoints(run_dir / "checkpoints")
+    assert len(newest) > saved
+    assert verified(newest[-1])  # every rank's shards are in its manifest, and match it
