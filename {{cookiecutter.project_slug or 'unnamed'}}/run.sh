@@ -17,9 +17,9 @@
 #   RDZV_JOIN_TIMEOUT several nodes: seconds to wait for the other nodes (default 600)
 #   MAX_RESTARTS    restarts of failed workers (default 3); train.py resumes from the latest
 #                   checkpoint. 0 while debugging.
-#   SHUTDOWN_TIMEOUT seconds torchrun gives the workers to leave after a signal it handles
-#                   (SIGINT, SIGHUP, SIGQUIT) before it kills them (default 120; torch 2.12+, older
-#                   torchrun waits 30 s); see "Preemption" below for SIGTERM / SIGUSR1
+#   SHUTDOWN_TIMEOUT seconds the workers get to leave after SIGINT (this script) or SIGQUIT
+#                   (torchrun, torch 2.12+; older torchrun waits 30 s) before they are killed
+#                   (default 120); see "Signals" below for SIGTERM / SIGUSR1 / SIGHUP
 #   PYTHON          the Python that has the project's packages (default python3); torchrun is
 #                   the one on PATH
 #
@@ -225,14 +225,14 @@ export DDP_JOB_ID="${RDZV_ID:-${SLURM_JOB_ID:-}}"
 
 # shellcheck disable=SC2329  # this and the next two: called by the traps below
 alive() {  # whether any of these processes is still running (not gone, not a zombie)
-  [[ $# -gt 0 ]] && ps -o stat= -p "$(IFS=,; echo "$*")" 2>/dev/null | grep -qv '^Z'
+  [[ $# -gt 0 ]] && ps -o stat= -p "$(IFS=,; echo "$*")" 2>/dev/null | grep -v '^Z' >/dev/null
 }
 # Stopped, torchrun starts no worker and restarts none; once it shows as stopped, no start is
 # half done, so the workers it has are all listed.
 # shellcheck disable=SC2329
 freeze_launcher() {
   kill -s STOP "$launcher" 2>/dev/null || return 0
-  while ps -o stat= -p "$launcher" 2>/dev/null | grep -q '^[^TtZ]'; do :; done
+  while [[ "$(ps -o stat= -p "$launcher" 2>/dev/null)" == [!TtZ]* ]]; do :; done
 }
 # shellcheck disable=SC2329
 workers() { pgrep -P "$launcher" 2>/dev/null || true; }
