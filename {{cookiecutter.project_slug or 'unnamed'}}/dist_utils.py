@@ -298,12 +298,27 @@ PREEMPTION_SIGNALS_RECEIVED: list[int] = []  # noted by the handler; Supervisor 
 
 def handle_signals() -> None:
     """From the start of a process: SIGTERM and SIGUSR1 are noted (the training loop stops at a
-    step every rank agrees on), SIGINT interrupts (even if the launcher started us ignoring it)."""
+    step every rank agrees on), SIGINT interrupts once (even if the launcher started us ignoring
+    it). Under run.sh, a signal it passed on before this process listened (torchrun starts us
+    with them ignored) is on record beside its status file."""
     if threading.current_thread() is not threading.main_thread():
         return
     for number in PREEMPTION_SIGNALS:
         signal.signal(number, lambda number, frame: PREEMPTION_SIGNALS_RECEIVED.append(number))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _interrupt_once)
+    status_file = os.environ.get("RUN_SH_STATUS_FILE")
+    if status_file and os.path.exists(f"{status_file}.preempted"):
+        PREEMPTION_SIGNALS_RECEIVED.append(signal.SIGTERM)
+
+
+def _interrupt_once(number, frame) -> None:
+    """Under run.sh, a Ctrl-C counts once run.sh passes it on: it stops torchrun first, which
+    would otherwise restart the workers that leave (the terminal signals us all at once)."""
+    status_file = os.environ.get("RUN_SH_STATUS_FILE")
+    if status_file and not os.path.exists(f"{status_file}.interrupted"):
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one must not cut the exit short
+    raise KeyboardInterrupt
 
 
 class Preempted(Exception):

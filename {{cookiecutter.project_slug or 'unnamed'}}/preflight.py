@@ -3,19 +3,51 @@
     python preflight.py --nproc-per-node N --nnodes M [--script train.py]
                         [--endpoint HOST:PORT --node-rank R] [--config FILE] [key=value ...]
 
-It checks the config (and, for train.py, that the global batch splits over N x M processes),
-that this machine has the GPUs the processes need, that ddp.backend=nccl has CUDA to run on, and
-on the head node (R = 0) of a multi-node job that the rendezvous port is free. torch is imported
-only on a machine with NVIDIA devices, so on a CPU machine this takes a fraction of a second.
+It compiles the files of your own (a syntax error would otherwise stop every rank, and every
+restart, with its own traceback), checks the config (and, for train.py, that the global batch
+splits over N x M processes), that this machine has the GPUs the processes need, that
+ddp.backend=nccl has CUDA to run on, and that the rendezvous port of a multi-node job is free on
+the head node (R = 0), or held by the job's rendezvous when the node rank is not given. torch is
+imported only on a machine with NVIDIA devices or a taken port, so on a CPU machine this takes a
+fraction of a second.
 """
 
+import datetime
 import errno
 import os
+import re
 import socket
 import sys
+import threading
 from pathlib import Path
 
-from config import UserError, load_config
+PROJECT_DIR = Path(__file__).resolve().parent
+# The files a user edits (README: Yours to edit); config.py imports settings.py.
+OWN_FILES = ("settings.py", "data_sources.py", "model.py", "tasks.py")
+
+
+class Refused(Exception):
+    """A reason not to launch, in one line. (Not config's UserError: config.py imports the
+    user's settings.py, which is compiled first.)"""
+
+
+def check_compiles(paths: list[str]) -> None:
+    for name in dict.fromkeys(paths):
+        path = Path(name) if Path(name).is_absolute() else PROJECT_DIR / name
+        if not path.is_file():
+            continue  # a missing file gets its own message where it is used
+        try:
+            compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+        except SyntaxError as error:
+            line = f" line {error.lineno}" if error.lineno else ""
+            raise Refused(f"{name}{line}: {error.msg}: fix it and run again") from None
+        except (ValueError, UnicodeDecodeError) as error:  # null bytes, not UTF-8
+            raise Refused(f"{name}: {error}: fix it and run again") from None
+
+
+def named_files(values: list[str]) -> list[str]:
+    """The `path/file.py` of every `key=path/file.py:name` (a builder of the user's own)."""
+    return [found for value in values for found in re.findall(r"([^=:\s]+\.py):\w", value)]
 
 
 def visible_gpus() -> int:
@@ -26,20 +58,60 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def check_port_free(endpoint: str) -> None:
+def split_endpoint(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
     if not port.isdigit():
-        raise UserError(f"rendezvous endpoint {endpoint!r} needs a port: MASTER_PORT=29500")
+        raise Refused(f"rendezvous endpoint {endpoint!r} needs a port: MASTER_PORT=29500")
+    return host, int(port)
+
+
+def port_taken(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
-            probe.bind(("", int(port)))
+            probe.bind(("", port))
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
-                raise UserError(
-                    f"rendezvous port {port} on this head node ({host}) is already in use, "
-                    "perhaps by another job: set MASTER_PORT to a free port"
-                ) from None
+                return True
             raise
+    return False
+
+
+def is_this_machine(host: str) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, 0))  # only an address of this machine binds
+        except OSError:
+            return False
+    return True
+
+
+def answers_as_a_store(host: str, port: int, seconds: float = 5) -> bool:
+    """Whether a torchrun rendezvous store (a TCPStore) listens there. Its client waits forever
+    on a program that accepts and never answers, so it gets a few seconds in a thread."""
+    from torch.distributed import TCPStore
+
+    answered = []
+    client = threading.Thread(daemon=True, target=lambda: answered.append(TCPStore(
+        host, port, is_master=False, timeout=datetime.timedelta(seconds=seconds),
+        wait_for_workers=False)))
+    client.start()
+    client.join(seconds)
+    return bool(answered)
+
+
+def check_rendezvous_port(endpoint: str, node_rank: str) -> None:
+    """The head node (NODE_RANK=0) needs the port free. Without a node rank, torchrun hosts the
+    rendezvous when the port is free and joins whatever holds it otherwise: a program that is
+    not a store would keep it waiting, silently, until the join timeout."""
+    host, port = split_endpoint(endpoint)
+    if node_rank == "0" and port_taken(port):
+        raise Refused(f"rendezvous port {port} on this head node ({host}) is already in use, "
+                      "perhaps by another job: set MASTER_PORT to a free port")
+    if (not node_rank and is_this_machine(host) and port_taken(port)
+            and not answers_as_a_store(host, port)):
+        raise Refused(f"rendezvous port {port} on this machine ({host}) is taken by a program "
+                      "that is not torchrun's rendezvous, perhaps another job: set MASTER_PORT "
+                      "to a free port")
 
 
 def preflight(argv: list[str]) -> None:
@@ -48,30 +120,39 @@ def preflight(argv: list[str]) -> None:
     while argv and argv[0] in options:
         options[argv[0]], argv = argv[1], argv[2:]
     nproc, nnodes = int(options["--nproc-per-node"]), int(options["--nnodes"])
+    check_compiles([*OWN_FILES, options["--script"], *named_files(argv)])
+    from config import UserError, load_config
+
     training = Path(options["--script"]).name == "train.py"
-    cfg = load_config(argv, world_size=nproc * nnodes if training else None)
+    try:
+        cfg = load_config(argv, world_size=nproc * nnodes if training else None)
+    except UserError as error:
+        raise Refused(str(error)) from None
+    check_compiles(named_files([str(cfg.data.dataset), str(cfg.model.name), str(cfg.task.name)]))
 
     gpus = visible_gpus()
     if cfg.ddp.backend == "nccl" and gpus == 0:
-        raise UserError("ddp.backend=nccl needs CUDA GPUs and this machine has none: use "
-                        "ddp.backend=gloo (or auto, which picks gloo on CPU)")
+        raise Refused("ddp.backend=nccl needs CUDA GPUs and this machine has none: use "
+                      "ddp.backend=gloo (or auto, which picks gloo on CPU)")
     if cfg.train.device == "cuda" and gpus == 0:
-        raise UserError("train.device=cuda but this machine has no CUDA GPU: use train.device=auto")
+        raise Refused("train.device=cuda but this machine has no CUDA GPU: use train.device=auto")
     if cfg.train.device != "cpu" and 0 < gpus < nproc:
-        raise UserError(f"{nproc} processes per node need {nproc} GPUs and this machine has "
-                        f"{gpus}: set NPROC_PER_NODE={gpus} (or use more nodes)")
-    if nnodes > 1 and options["--node-rank"] == "0" and options["--endpoint"]:
-        check_port_free(options["--endpoint"])
+        raise Refused(f"{nproc} processes per node need {nproc} GPUs and this machine has "
+                      f"{gpus}: set NPROC_PER_NODE={gpus} (or use more nodes)")
+    if nnodes > 1 and options["--endpoint"]:
+        check_rendezvous_port(options["--endpoint"], options["--node-rank"])
 
 
 def main(argv: list[str]) -> int:
     try:
         preflight(argv)
-    except UserError as error:
+    except Refused as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stderr.flush()
+    os._exit(code)  # not waiting for a store client that never got an answer

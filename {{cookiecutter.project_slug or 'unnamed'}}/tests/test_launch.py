@@ -2,10 +2,13 @@
 torchrun only the flags it has, and two "nodes" joined by torchrun's c10d rendezvous train exactly
 like one node with as many processes."""
 
+import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import venv
 
 import pytest
@@ -80,7 +83,7 @@ def test_run_sh_checks_for_every_package_pyproject_lists():
 
 
 # torchrun's flags that run.sh passes when this torchrun has them (its --help lists them).
-OPTIONAL_FLAGS = {"--signals-to-handle": "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",
+OPTIONAL_FLAGS = {"--signals-to-handle": "--signals-to-handle=SIGQUIT",
                   "--shutdown-timeout": "--shutdown-timeout=120"}
 
 
@@ -109,7 +112,7 @@ def test_run_sh_passes_the_flags_the_installed_torchrun_has(tmp_path):
 
 
 @pytest.mark.parametrize(("listed", "passed"), [
-    (["--signals-to-handle"], ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"]),  # as torch 2.11
+    (["--signals-to-handle"], ["--signals-to-handle=SIGQUIT"]),  # as torch 2.11
     ([], []),  # as torchrun before --signals-to-handle
 ])
 def test_run_sh_leaves_out_the_flags_torchrun_lacks(tmp_path, listed, passed):
@@ -147,3 +150,150 @@ def test_two_nodes_train_like_one_node_with_two_processes(tmp_path):
 
     a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- signals, temporary files, waits (issue 24) -------------------------------------------------
+
+class Launch:
+    """./run.sh in a session of its own, its temporary folder (TMPDIR) private to the test.
+    `finish()` waits for it and checks that it left no process and no temporary file."""
+
+    def __init__(self, tmp_path, args, **env):
+        self.tmp = tmp_path / "tmp"
+        self.tmp.mkdir(exist_ok=True)
+        self.proc = subprocess.Popen(
+            ["./run.sh", *args], cwd=PROJECT, text=True, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=command_env(TMPDIR=str(self.tmp), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"),
+                            **env))
+        self.lines: list[str] = []
+
+    def read_until(self, marker: str) -> str:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if marker in line:
+                return line
+        raise AssertionError(f"no {marker!r} in:\n{''.join(self.lines)}")
+
+    def signal_launcher(self, number):
+        self.proc.send_signal(number)
+
+    def signal_group(self, number):  # as a terminal does, to every process of the job
+        os.killpg(self.proc.pid, number)
+
+    def finish(self, timeout=240, tmp_left=()) -> list[str]:
+        try:
+            rest, _ = self.proc.communicate(timeout=timeout)
+        finally:
+            left = processes_in_group(self.proc.pid)
+            if left:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        assert not left, left
+        assert sorted(self.tmp.iterdir()) == sorted(tmp_left)
+        return "".join([*self.lines, rest]).splitlines()
+
+
+def processes_in_group(group: int) -> list[str]:
+    listed = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(group)],
+                            capture_output=True, text=True, check=False).stdout
+    return [line for line in listed.splitlines() if line.split()[1][0] != "Z"]
+
+
+def python_wrapper(folder, when_preflight: str) -> str:
+    """A PYTHON for run.sh that runs `when_preflight` instead of preflight.py (a known wait
+    before any worker exists), and the real Python otherwise."""
+    folder.mkdir()
+    wrapper = folder / "python"
+    wrapper.write_text(f'#!/bin/sh\nif [ "$1" = preflight.py ]; then {when_preflight}; fi\n'
+                       f'exec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_before_the_workers_start_stops_the_launch_as_preempted(tmp_path, number):
+    python = python_wrapper(tmp_path / "bin", "echo checking; exec sleep 600")
+    launch = Launch(tmp_path, [*TINY, f"run.output_dir={tmp_path}"], PYTHON=python)
+    launch.read_until("checking")
+    launch.signal_launcher(number)
+    lines = launch.finish()
+    assert launch.proc.returncode == 75
+    assert lines == ["checking", f"stopped by {number.name} before the workers started, nothing "
+                     "to save: run the same command again"]
+
+
+def test_sigterm_while_waiting_for_the_other_nodes_stops_the_node(tmp_path):
+    port = free_port()
+    launch = Launch(tmp_path, [*TINY, f"run.output_dir={tmp_path}"], NNODES="2", NODE_RANK="0",
+                    NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                    RDZV_ID="alone", RDZV_JOIN_TIMEOUT="300")
+    launch.read_until(f"waiting up to 300 s for the other nodes at 127.0.0.1:{port}")
+    while True:  # until torchrun hosts the rendezvous and waits in it
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+    launch.signal_launcher(signal.SIGTERM)
+    lines = launch.finish()
+    assert launch.proc.returncode == 75, lines
+    assert lines[-1] == ("stopped by SIGTERM before the workers started, nothing to save: run "
+                         "the same command again")
+    assert not any("Traceback" in line for line in lines)
+
+
+def test_ctrl_c_stops_the_job_with_one_line(tmp_path):
+    launch = Launch(tmp_path, [*TINY, "train.epochs=1000", f"run.output_dir={tmp_path}"],
+                    NPROC_PER_NODE="2")
+    launch.read_until("run folder:")
+    launch.signal_group(signal.SIGINT)
+    lines = launch.finish()
+    assert launch.proc.returncode == 130
+    assert lines[-1] == "interrupted (SIGINT): the job stopped"
+    after = lines[[i for i, line in enumerate(lines) if "run folder:" in line][0] + 1:-1]
+    assert [line for line in after if not re.match(r"\d\d:\d\d:\d\d ", line)] == []
+
+
+def test_a_syntax_error_in_the_users_code_stops_before_torchrun(tmp_path):
+    model = tmp_path / "model.py"
+    model.write_text("import torch\n" * 11 + "def build(cfg:\n    return None\n")
+    env = torchrun_on_path(tmp_path / "bin", "exit 0")
+    launch = Launch(tmp_path, [*TINY, f"model.name={model}:build"], **env)
+    lines = launch.finish()
+    assert launch.proc.returncode == 2
+    assert len(lines) == 1 and lines[0].startswith(f"error: {model} line 12: ")
+    assert lines[0].endswith(": fix it and run again")
+    assert not (tmp_path / "bin" / "argv").exists()  # torchrun never started
+
+
+def test_a_taken_port_without_node_rank_is_one_line(tmp_path):
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("", port))
+        holder.listen()
+        launch = Launch(tmp_path, TINY, NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port), RDZV_ID="taken")
+        lines = launch.finish()
+    assert launch.proc.returncode == 2
+    assert lines == [f"error: rendezvous port {port} on this machine (127.0.0.1) is taken by a "
+                     "program that is not torchrun's rendezvous, perhaps another job: set "
+                     "MASTER_PORT to a free port"]
+
+
+def test_a_killed_launchs_folder_goes_once_nothing_of_it_runs(tmp_path):
+    python = python_wrapper(tmp_path / "bin", "echo checking; exec sleep 600")
+    killed = Launch(tmp_path, TINY, PYTHON=python)
+    killed.read_until("checking")
+    killed.signal_launcher(signal.SIGKILL)  # run.sh alone: its preflight goes on
+    killed.proc.wait()
+    [folder] = killed.tmp.iterdir()
+    assert folder.name.startswith("run-sh.")
+
+    def launch_and_refuse(tmp_left):  # a launch that stops at once, after cleaning up
+        refused = Launch(tmp_path, [*TINY, "train.epochs=abc"])
+        lines = refused.finish(tmp_left=tmp_left)
+        assert lines[0].startswith("error: train.epochs=abc")
+
+    launch_and_refuse(tmp_left=[folder])  # the sleeping preflight, started in it, is alive
+    os.killpg(killed.proc.pid, signal.SIGKILL)
+    while processes_in_group(killed.proc.pid):
+        pass  # SIGKILL takes effect at once; the kernel may list the process a moment longer
+    launch_and_refuse(tmp_left=[])
