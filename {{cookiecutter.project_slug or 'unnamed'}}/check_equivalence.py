@@ -84,8 +84,11 @@ def train(workdir: Path, name: str, nproc: int, overrides: list[str]) -> Path:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     print(f"training {name}: {nproc} process(es) ...", flush=True)
-    result = subprocess.run([sys.executable, *args], cwd=PROJECT_DIR, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+    # A temp folder of the run's own, removed after it: torchrun leaves a torchelastic_* one.
+    with tempfile.TemporaryDirectory(prefix="eq-") as temp:
+        env["TMPDIR"] = temp
+        result = subprocess.run([sys.executable, *args], cwd=PROJECT_DIR, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
     if result.returncode != 0:
         errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
         if errors:  # the run's own one-line report of a mistake in the input

@@ -1,8 +1,14 @@
 """Shared helpers: a tiny synthetic setup and a way to run the project's commands for real."""
 
+import contextlib
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -52,8 +58,11 @@ def run(args: list[str], timeout: float = 240, **extra_env: str) -> subprocess.C
 
 
 def torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={nproc}", script, *args])
+    # torchrun leaves a torchelastic_* folder in the temp directory; run.sh gives each launch
+    # its own and removes it, and so does this.
+    with tempfile.TemporaryDirectory(prefix="tr", dir=os.environ.get("TMPDIR")) as tmp:
+        return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={nproc}", script, *args], TMPDIR=tmp)
 
 
 def only_run_dir(output_dir: Path) -> Path:
@@ -76,3 +85,69 @@ class RunsCode:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
+
+
+# --- Nothing left behind: every test's processes end, and its temp directory is empty -----------
+
+MARKER = "DDP_TEMPLATE_TEST"
+LEFTOVER_DEADLINE = 30.0  # seconds a test's processes get to finish exiting after it ends
+
+
+def pytest_configure(config):
+    # Compile caches (speed.compile tests) live for the session, not in a test's temp folder.
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        config.inductor_cache = tempfile.mkdtemp(prefix="inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.inductor_cache
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "inductor_cache", None):
+        shutil.rmtree(config.inductor_cache, ignore_errors=True)
+
+
+def processes_of(marker: str) -> list[int]:
+    """Processes started with DDP_TEMPLATE_TEST=<marker> in their environment: the test's own,
+    wherever they are in the process tree (a new session or group does not hide them)."""
+    found = []
+    needle = f"{MARKER}={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:  # gone, or not ours to read
+                continue
+    return found
+
+
+def describe_process(pid: int) -> str:
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return str(pid)
+    return f"{pid} ({command[:120]})"
+
+
+@pytest.fixture(autouse=True)
+def leaves_nothing_behind(monkeypatch):
+    """Each test runs with its own temp directory and a marker in its children's environment.
+    After it, a process of its own still alive (past a short deadline to finish exiting) or
+    anything left in its temp directory fails the test; the processes are killed either way."""
+    marker = uuid.uuid4().hex
+    temp = tempfile.mkdtemp(prefix="t-", dir="/tmp")  # short: AF_UNIX socket paths live here
+    monkeypatch.setenv(MARKER, marker)
+    monkeypatch.setenv("TMPDIR", temp)
+    try:
+        yield
+    finally:
+        deadline = time.monotonic() + LEFTOVER_DEADLINE
+        while (alive := processes_of(marker)) and time.monotonic() < deadline:
+            time.sleep(0.2)  # polling a condition with a deadline, not waiting for a race
+        described = [describe_process(pid) for pid in alive]
+        for pid in alive:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        left = sorted(p.name for p in Path(temp).iterdir())
+        shutil.rmtree(temp, ignore_errors=True)
+    assert not described, f"processes left running after the test: {described}"
+    assert not left, f"left in the temp directory: {left}"

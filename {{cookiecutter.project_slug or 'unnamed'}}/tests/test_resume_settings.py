@@ -4,6 +4,7 @@ would replay or skip data), and summary.json says how a run that did not finish 
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -89,9 +90,10 @@ def test_a_setting_a_resume_cannot_honour_is_refused_in_one_line(tmp_path, setti
 
 def test_summary_says_failed_when_the_run_fails(tmp_path):
     out = tmp_path / "failing"
-    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  "--nproc_per_node=1", "tests/fail_at_step.py", *TINY, f"run.dir={out}"],
-                 FAIL_STEP="7", FAIL_RANK="0")
+    with tempfile.TemporaryDirectory(prefix="tr") as temp:  # for torchrun's torchelastic_*
+        result = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                      "--nproc_per_node=1", "tests/fail_at_step.py", *TINY, f"run.dir={out}"],
+                     FAIL_STEP="7", FAIL_RANK="0", TMPDIR=temp)
     assert result.returncode != 0
     assert "planted bug at step 7" in result.stdout
     summary = json.loads((out / "summary.json").read_text())
