@@ -199,7 +199,7 @@ def setup(argv: list[str]) -> Setup:
             speed = resolve_speed(cfg, device, input_shape)
             trackers.check_installed(cfg)
         resume_from = checkpoint.chosen_by_rank_0(
-            lambda: checkpoint.checkpoint_to_resume(cfg, run.path))
+            functools.partial(checkpoint.checkpoint_to_resume, cfg, run.path))
         if resume_from:
             with dist_utils.agree_on_errors():  # a damaged checkpoint: one line, nothing wrapped
                 saved_config = checkpoint.load_checkpoint(resume_from).get("config")
