@@ -22,8 +22,8 @@ import statistics
 import time
 from pathlib import Path
 
-import checkpoint
-import dist_utils
+from ddpkit import checkpoint
+from ddpkit import dist_utils
 import train
 from omegaconf import OmegaConf
 

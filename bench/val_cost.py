@@ -38,8 +38,8 @@ METRICS_PROBE = """
 import cProfile, io, json, pstats, sys, time
 import torch
 from omegaconf import OmegaConf
-from builtin_tasks import MulticlassTask
-from splits import Splits
+from ddpkit.tasks import MulticlassTask
+from ddpkit.splits import Splits
 samples, classes, repeats = (int(a) for a in sys.argv[1:4])
 generator = torch.Generator().manual_seed(0)
 labels = torch.randint(0, classes, (samples,), generator=generator)

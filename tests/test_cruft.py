@@ -17,7 +17,7 @@ CRUFT = Path(sys.executable).parent / "cruft"
 SLUG_DIR = "{{cookiecutter.project_slug or 'unnamed'}}"
 # The user's files of the project (pyproject.toml's [tool.cruft] skip), and one of the template's.
 YOURS = ["data_sources.py", "model.py", "tasks.py", "settings.py"]
-TEMPLATE_FILE = "builtin_models.py"
+TEMPLATE_FILE = "ddpkit/models.py"
 TEMPLATE_FIX = "# A later fix of the template's, which `cruft update` brings in.\n"
 # A later change to the template's starting version of a user file, at its end: where the recipe
 # appended, so it would collide with the user's code if updates did not skip the file.

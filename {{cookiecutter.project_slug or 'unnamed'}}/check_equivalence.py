@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import MODEL_FILE
-from config import UserError, load_config
+from ddpkit.checkpoint import MODEL_FILE
+from ddpkit.config import UserError, load_config
 
 PROJECT_DIR = Path(__file__).resolve().parent
 DEFAULT_STEPS = 15
@@ -50,9 +50,11 @@ class CannotRun(Exception):
 
 def steps_to_compare(overrides: list[str], requested: int | None) -> int:
     """Steps inside the first epoch whose global batch is the same at every process count."""
-    from data import DataModule
-    from dist_utils import DistEnv
+    from ddpkit import recipes
+    from ddpkit.data import DataModule
+    from ddpkit.dist_utils import DistEnv
 
+    recipes.load()  # your model.py, data_sources.py and tasks.py add to the registries
     cfg = load_config(overrides)
     data = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
     full = data.full_steps_per_epoch

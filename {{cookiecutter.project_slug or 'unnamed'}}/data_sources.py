@@ -11,10 +11,10 @@ Add a builder and register it in `DATASETS`; select it with `data.dataset=<key>`
 
 A builder returns `splits.Splits`: the train, val and test splits as map-style datasets (any
 `torch.utils.data.Dataset`) and what the task needs to know of them (README: "Bring your own").
-The template imports this file before it looks a dataset up, so every entry you add here is seen.
-The built-in datasets (digits, digits_files, breast_cancer, diabetes, synthetic, images) and the
-helpers imported below live in builtin_datasets.py, which is the template's. A setting of your
-own (`data.<name>`) is declared in settings.py.
+Every command loads this file (ddpkit/recipes.py) before it looks a dataset up, so every entry you
+add here is seen. The built-in datasets (digits, digits_files, breast_cancer, diabetes, synthetic,
+images) and the helpers imported below live in ddpkit/datasets.py, which is the template's. A
+setting of your own (`data.<name>`) is declared in settings.py.
 """
 
 from pathlib import Path  # noqa: F401
@@ -24,5 +24,5 @@ import torch  # noqa: F401
 from omegaconf import DictConfig  # noqa: F401
 from torch.utils.data import Dataset  # noqa: F401
 
-from builtin_datasets import DATASETS, read_labels  # noqa: F401
-from splits import Splits, array_splits, split_indices  # noqa: F401
+from ddpkit.datasets import DATASETS, read_labels  # noqa: F401
+from ddpkit.splits import Splits, array_splits, split_indices  # noqa: F401

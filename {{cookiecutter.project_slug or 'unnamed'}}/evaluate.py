@@ -26,15 +26,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import checkpoint
-import dist_utils
-import trackers
-from builtin_tasks import build_task
-from config import UserError, config_from_dict, given_keys, load_config
-from data import DataModule
-from evaluation import OutputFolder, evaluate_split, scalars, summary_lines, write_outputs
-from parallel import build_model
-from speed import resolve_speed
+from ddpkit import checkpoint, dist_utils, recipes, trackers
+from ddpkit.config import UserError, config_from_dict, given_keys, load_config
+from ddpkit.data import DataModule
+from ddpkit.evaluation import OutputFolder, evaluate_split, scalars, summary_lines, write_outputs
+from ddpkit.parallel import build_model
+from ddpkit.speed import resolve_speed
+from ddpkit.tasks import build_task
 
 log = logging.getLogger("ddp")
 
@@ -88,6 +86,7 @@ def stop_if_asked(result: dict | None, supervisor: dist_utils.Supervisor) -> dic
 
 
 def main(argv: list[str]) -> None:
+    recipes.load()  # your model.py, data_sources.py and tasks.py add to the registries
     cfg = load_config(argv)
     env = dist_utils.get_dist_env()
     dist_utils.setup_logging(env)

@@ -14,9 +14,8 @@ step and the config that builds the model, and loads with torch.load(weights_onl
 
 from pathlib import Path
 
-import checkpoint
-import dist_utils
-from config import UserError, config_from_dict
+from ddpkit import checkpoint, dist_utils
+from ddpkit.config import UserError, config_from_dict
 
 
 def main(argv: list[str]) -> None:

@@ -182,7 +182,7 @@ fi
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 # Check the command line and this machine before any worker starts: one line, in a second.
-in_background "$python" preflight.py --nproc-per-node "$nproc_per_node" --nnodes "$nnodes" \
+in_background "$python" -m ddpkit.preflight --nproc-per-node "$nproc_per_node" --nnodes "$nnodes" \
   --script "$script" --endpoint "$endpoint" --node-rank "${NODE_RANK:-}" "$@" || exit 2
 
 # How the job ended, when the workers ended it on purpose: rank 0 writes `error: ...` (a mistake

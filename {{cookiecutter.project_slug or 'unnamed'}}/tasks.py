@@ -10,10 +10,10 @@ Subclass a built-in task (or `Task`, the interface) and register it in `TASKS`; 
 
     TASKS["my_binary"] = MyBinary
 
-The template imports this file before it looks a task up, so every entry you add here is seen.
-The interface and the built-in tasks (multiclass, binary, regression) live in builtin_tasks.py,
-which is the template's: read it for what each method receives and returns. A setting of your
-own (`task.<name>`) is declared in settings.py.
+Every command loads this file (ddpkit/recipes.py) before it looks a task up, so every entry you add
+here is seen. The interface and the built-in tasks (multiclass, binary, regression) live in
+ddpkit/tasks.py, which is the template's: read it for what each method receives and returns. A
+setting of your own (`task.<name>`) is declared in settings.py.
 """
 
 import numpy as np  # noqa: F401
@@ -21,5 +21,5 @@ import torch  # noqa: F401
 import torch.nn.functional as F  # noqa: F401
 from omegaconf import DictConfig  # noqa: F401
 
-from builtin_tasks import TASKS, BinaryTask, MulticlassTask, RegressionTask, Task  # noqa: F401
-from splits import Splits  # noqa: F401
+from ddpkit.splits import Splits  # noqa: F401
+from ddpkit.tasks import TASKS, BinaryTask, MulticlassTask, RegressionTask, Task  # noqa: F401

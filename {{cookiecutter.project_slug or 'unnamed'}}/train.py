@@ -27,17 +27,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import default_collate
 from tqdm import tqdm
 
-import checkpoint
-import dist_utils
-import flops
-import report
-import trackers
-from builtin_tasks import Task, build_task
-from checkpoint import Position
-from config import UserError, load_config
-from data import DataModule, count_samples, detached, to_device
-from evaluation import evaluate_split, loss_terms, scalars
-from parallel import (
+from ddpkit import checkpoint, dist_utils, flops, recipes, report, trackers
+from ddpkit.checkpoint import Position
+from ddpkit.config import UserError, load_config
+from ddpkit.data import DataModule, count_samples, detached, to_device
+from ddpkit.evaluation import evaluate_split, loss_terms, scalars
+from ddpkit.parallel import (
     ModelState,
     build_model,
     full_tensor,
@@ -46,10 +41,11 @@ from parallel import (
     with_rank0_buffers,
     wrap_model,
 )
-from profiling import StepProfiler
-from speed import FLOAT32, Speed, build_optimizer, grad_scaler, resolve_speed
-from speed import describe as describe_speed
-from training_log import TrainingLog
+from ddpkit.profiling import StepProfiler
+from ddpkit.speed import FLOAT32, Speed, build_optimizer, grad_scaler, resolve_speed
+from ddpkit.speed import describe as describe_speed
+from ddpkit.tasks import Task, build_task
+from ddpkit.training_log import TrainingLog
 
 log = logging.getLogger("ddp")
 
@@ -409,6 +405,7 @@ def summary_on_failure(s: Setup):
 
 def main(argv: list[str]) -> None:
     started = time.perf_counter()
+    recipes.load()  # your model.py, data_sources.py and tasks.py add to the registries
     s = setup(argv)
     describe(s)
     if s.cfg.train.fast_dev_run:

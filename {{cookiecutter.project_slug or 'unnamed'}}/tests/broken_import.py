@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dist_utils  # noqa: E402, F401  (first, as in the entry points: it reports the error)
+from ddpkit import dist_utils  # noqa: E402, F401  (first, as in the entry points: it reports the error)
 
 # isort: split
 import uninstalled_package  # noqa: E402, F401

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from builtin_tasks import MulticlassTask
-from config import UserError
-from splits import Splits, array_splits, split_indices
+from ddpkit.config import UserError
+from ddpkit.splits import Splits, array_splits, split_indices
+from ddpkit.tasks import MulticlassTask
 
 SAMPLES = 352  # -> 228 train (divisible by 1, 2, 3, 4, 6), 53 val, 71 test (neither by 2 nor 3)
 

@@ -12,8 +12,8 @@ os.environ["PREEMPT_VALIDATION"] = "1"  # the first evaluation of a split
 
 from preempt_in_validation import evaluate_after_the_signal  # noqa: E402
 
-import dist_utils  # noqa: E402
 import evaluate  # noqa: E402
+from ddpkit import dist_utils  # noqa: E402
 
 evaluate.evaluate_split = evaluate_after_the_signal
 

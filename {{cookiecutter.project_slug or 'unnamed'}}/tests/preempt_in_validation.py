@@ -10,8 +10,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dist_utils  # noqa: E402
 import train  # noqa: E402
+from ddpkit import dist_utils  # noqa: E402
 
 real_evaluate = train.evaluate_split
 calls = [0]

@@ -25,14 +25,14 @@ from omegaconf import OmegaConf  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, get_worker_info  # noqa: E402
 
-import dist_utils  # noqa: E402
-from builtin_tasks import build_task  # noqa: E402
-from config import load_config  # noqa: E402
-from data import DataModule  # noqa: E402
-from evaluation import evaluate_split, scalars  # noqa: E402
-from parallel import build_model, wrap_model  # noqa: E402
-from speed import FLOAT32  # noqa: E402
-from splits import TensorSamples  # noqa: E402
+from ddpkit import dist_utils  # noqa: E402
+from ddpkit.config import load_config  # noqa: E402
+from ddpkit.data import DataModule  # noqa: E402
+from ddpkit.evaluation import evaluate_split, scalars  # noqa: E402
+from ddpkit.parallel import build_model, wrap_model  # noqa: E402
+from ddpkit.speed import FLOAT32  # noqa: E402
+from ddpkit.splits import TensorSamples  # noqa: E402
+from ddpkit.tasks import build_task  # noqa: E402
 from train import train_step  # noqa: E402
 
 

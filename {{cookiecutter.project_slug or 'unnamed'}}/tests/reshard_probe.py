@@ -9,10 +9,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import checkpoint  # noqa: E402
-import dist_utils  # noqa: E402
 import train  # noqa: E402
-from parallel import ModelState  # noqa: E402
+from ddpkit import (
+    checkpoint,  # noqa: E402
+    dist_utils,  # noqa: E402
+)
+from ddpkit.parallel import ModelState  # noqa: E402
 
 
 def differences(saved, restored, where: str = "") -> list[str]:

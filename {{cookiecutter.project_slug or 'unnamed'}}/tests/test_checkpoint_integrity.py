@@ -13,10 +13,10 @@ import pytest
 import torch
 from test_checkpoints import a_checkpoint
 
-import checkpoint
-from checkpoint import MANIFEST_FILE, list_checkpoints, verified
-from config import UserError
 from conftest import TINY, run
+from ddpkit import checkpoint
+from ddpkit.checkpoint import MANIFEST_FILE, list_checkpoints, verified
+from ddpkit.config import UserError
 
 # One process, 19 steps, a checkpoint at steps 7, 14 and 19, all kept.
 ARGS = [*TINY, "train.epochs=1", "train.ckpt_every=7", "train.keep_checkpoints=0"]

@@ -16,10 +16,17 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_distributed import assert_same_numbers, evaluate_with
 from test_faults import epoch_records, finish, kill_worker, launch, logged_steps, wait_for
 
-import checkpoint
-from checkpoint import MODEL_FILE, STATE_FILE, list_checkpoints, read_tensors, verified
-from config import UserError
 from conftest import TINY, TRIALS, RunsCode, only_run_dir, run
+from ddpkit import checkpoint
+from ddpkit.checkpoint import (
+    MODEL_FILE,
+    STATE_FILE,
+    list_checkpoints,
+    read_tensors,
+    reused_staging_buffers,
+    verified,
+)
+from ddpkit.config import UserError
 
 FSDP = "parallel.strategy=fsdp"
 # 4 epochs of 19 steps, a checkpoint every 5, dropout on: an exact resume needs every part.
@@ -209,3 +216,17 @@ def test_loading_a_sharded_checkpoint_never_runs_code(tmp_path):
     metadata.unlink()
     with pytest.raises(UserError, match="not a complete checkpoint folder"):
         read_tensors(evil_metadata)
+
+
+def test_asynchronous_saves_stage_into_the_same_buffers_each_time():
+    stager = reused_staging_buffers()
+    if stager is None:
+        pytest.skip("this torch has no DefaultStager: async_save stages with fresh copies")
+    state = {"weight": torch.randn(64, 8), "opt": {"step": torch.tensor(3.0), "lr": 0.1}}
+    first = stager.stage(state)
+    state["weight"].add_(1.0)
+    second = stager.stage(state)
+    assert second["weight"].data_ptr() == first["weight"].data_ptr()  # no new allocation
+    assert torch.equal(second["weight"], state["weight"]) and second["opt"]["lr"] == 0.1
+    assert second["weight"].data_ptr() != state["weight"].data_ptr()  # a copy, not the original
+    stager.close()

@@ -22,11 +22,11 @@ from test_faults import (
     wait_until,
 )
 
-from checkpoint import list_checkpoints, load_checkpoint, read_model
-from config import load_config
 from conftest import PROJECT, TINY, TRIALS, command_env, only_run_dir, run
-from data import DataModule
-from dist_utils import DistEnv
+from ddpkit.checkpoint import list_checkpoints, load_checkpoint, read_model
+from ddpkit.config import load_config
+from ddpkit.data import DataModule
+from ddpkit.dist_utils import DistEnv
 
 PREEMPTED = 75
 # 6 epochs, checkpoints only at the end: whatever a preemption saves, it saved on its own.

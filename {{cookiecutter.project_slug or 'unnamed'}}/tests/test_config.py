@@ -9,10 +9,9 @@ from dataclasses import fields
 import pytest
 from omegaconf import OmegaConf
 
-from config import (
+from ddpkit.config import (
     DEFAULT_CONFIG_FILE,
     PROJECT_DIR,
-    Config,
     DataConfig,
     ModelConfig,
     TaskConfig,
@@ -21,6 +20,7 @@ from config import (
     load_config,
     lookup,
     parse_args,
+    schema,
 )
 from settings import DataSettings, ModelSettings, TaskSettings
 
@@ -47,14 +47,14 @@ def test_yaml_shows_exactly_the_schema_defaults():
     # One source of defaults: the YAML may not add, drop or change any value of the template's
     # schema. It shows the template's settings only: yours are documented in settings.py.
     mine = your_keys()
-    schema = {key: value for key, value in flat(OmegaConf.to_container(
-        OmegaConf.structured(Config))).items() if key not in mine}
+    defaults = {key: value for key, value in flat(OmegaConf.to_container(
+        OmegaConf.structured(schema()))).items() if key not in mine}
     shown = flat(OmegaConf.to_container(OmegaConf.load(DEFAULT_CONFIG_FILE)))
-    differ = [f"{key}: {shown.get(key, '(missing)')} in the YAML, {schema.get(key, '(none)')} "
+    differ = [f"{key}: {shown.get(key, '(missing)')} in the YAML, {defaults.get(key, '(none)')} "
               "in config.py" + (" (a setting of yours: its default is the one in settings.py)"
                                 if key in mine else "")
-              for key in sorted(schema.keys() | shown.keys())
-              if schema.get(key, "(none)") != shown.get(key, "(missing)")]
+              for key in sorted(defaults.keys() | shown.keys())
+              if defaults.get(key, "(none)") != shown.get(key, "(missing)")]
     assert not differ, "configs/default.yaml and config.py differ: " + "; ".join(differ)
 
 
@@ -86,7 +86,7 @@ class TaskSettings:
     pass
 '''
 PROBE = '''import sys
-from config import UserError, load_config
+from ddpkit.config import UserError, load_config
 cfg = load_config([])
 print(cfg.model.aux_head, cfg.data.scan_weight)
 cfg = load_config(["--config", "exp.yaml", "data.scan_weight=2"])
@@ -100,7 +100,9 @@ for bad in ("model.aux_hed=true", "model.aux_head=maybe"):
 
 
 def test_a_setting_of_yours_is_a_key_like_any_other(tmp_path):
-    # config.py in a folder of its own, beside a settings.py that declares two fields.
+    # The engine in a folder of its own, beside a settings.py that declares two fields.
+    shutil.copytree(PROJECT_DIR / "ddpkit", tmp_path / "ddpkit",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(PROJECT_DIR / "config.py", tmp_path)
     (tmp_path / "configs").mkdir()
     shutil.copy(DEFAULT_CONFIG_FILE, tmp_path / "configs")
@@ -186,10 +188,11 @@ def test_preflight_cli_is_one_line_and_fast_to_import():
         "error: train.epochs=abc is not valid (command line): train.epochs must be a whole number"
     ]
     # run.sh calls config.py before every launch: it must not pay for importing torch.
-    probe = "import sys, config; print('torch' in sys.modules)"
+    probe = ("import sys, config; from ddpkit.config import load_config; load_config([]); "
+             "print('torch' in sys.modules, 'settings' in sys.modules)")
     imported = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT_DIR, text=True,
                               capture_output=True, check=True)
-    assert imported.stdout.strip() == "False"
+    assert imported.stdout.strip() == "False True"
 
 
 def test_given_keys_are_the_overrides_and_a_custom_files_keys(tmp_path):

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from config import load_config
 from conftest import TINY, TINY_SPLIT, fixture
-from data import DataModule, EvalShardSampler, count_samples, map_tensors, to_device
-from dist_utils import DistEnv
-from splits import TensorSamples
+from ddpkit.config import load_config
+from ddpkit.data import DataModule, EvalShardSampler, count_samples, map_tensors, to_device
+from ddpkit.dist_utils import DistEnv
+from ddpkit.splits import TensorSamples
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 71, 100])
@@ -58,14 +58,14 @@ def test_batches_of_tuples_and_dicts_move_whole():
 def test_a_dataset_that_does_not_build_splits_is_one_line(tmp_path):
     source = tmp_path / "broken_data_for_test.py"
     source.write_text("def build(cfg):\n    return [1, 2, 3]\n")
-    from config import UserError
+    from ddpkit.config import UserError
     with pytest.raises(UserError, match="its builder must return splits.Splits, not list"):
         DataModule(load_config([*TINY, f"data.dataset={source}:build"]), DistEnv(0, 0, 1, False),
                    torch.device("cpu"))
 
 
 def test_a_training_split_smaller_than_one_global_batch_is_one_line():
-    from config import UserError
+    from ddpkit.config import UserError
     cfg = load_config([*TINY, "train.global_batch_size=240"])  # 228 training samples
     with pytest.raises(UserError, match="the training split has 228 samples, fewer than one"):
         DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))

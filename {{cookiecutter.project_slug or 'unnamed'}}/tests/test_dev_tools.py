@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import train
-from builtin_tasks import build_task
-from config import load_config
 from conftest import TINY, fixture, only_run_dir, run, torchrun
-from data import DataModule
-from dist_utils import DistEnv
+from ddpkit.config import load_config
+from ddpkit.data import DataModule
+from ddpkit.dist_utils import DistEnv
+from ddpkit.tasks import build_task
 
 
 def run_sh(*args: str, nproc: int = 2):
@@ -147,7 +147,7 @@ def test_flops_of_a_training_step_of_the_default_models_equal_a_hand_count(name)
     ("NVIDIA Quadro X", "bf16", True, None),  # not in the table: MFU unknown, said so
 ])
 def test_peak_flops_of_known_gpus_and_an_unknown_one(monkeypatch, name, precision, tf32, peak):
-    import flops
+    from ddpkit import flops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     found, device_name = flops.peak_flops(torch.device("cuda", 0), precision, tf32)
@@ -158,7 +158,7 @@ def test_peak_flops_of_known_gpus_and_an_unknown_one(monkeypatch, name, precisio
 
 
 def test_a_window_reports_mfu_against_the_peak(tmp_path):
-    from training_log import TrainingLog
+    from ddpkit.training_log import TrainingLog
 
     log = TrainingLog(tmp_path, DistEnv(0, 0, 4, True), torch.device("cpu"))
     log.flops_per_sample, log.peak_flops = 3e9, 100e12

@@ -10,12 +10,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import checkpoint
-import dist_utils
-from config import UserError, load_config
 from conftest import PROJECT, TINY, RunsCode, command_env
+from ddpkit import checkpoint, dist_utils
+from ddpkit.config import UserError, load_config
+from ddpkit.parallel import unwrap
 from fixtures import MLP
-from parallel import unwrap
 
 
 def test_single_process_fallback(monkeypatch):

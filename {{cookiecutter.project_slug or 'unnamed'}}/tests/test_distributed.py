@@ -20,8 +20,8 @@ from sklearn.metrics import (
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from checkpoint import read_model
 from conftest import TINY, TINY_SPLIT, fixture, only_run_dir, run, torchrun
+from ddpkit.checkpoint import read_model
 
 
 @pytest.mark.parametrize("world_size", [3])  # 228 train samples: 76 each, uneven eval shards

@@ -1,15 +1,15 @@
-"""The built-in examples of builtin_datasets.py and builtin_models.py; every other test uses the
+"""The built-in examples of ddpkit/datasets.py and ddpkit/models.py; every other test uses the
 tests' own fixtures (tests/fixtures.py)."""
 
 import numpy as np
 import pytest
 import torch
 
-from builtin_tasks import build_task
-from config import load_config
-from data import DataModule
-from dist_utils import DistEnv
-from parallel import build_model
+from ddpkit.config import load_config
+from ddpkit.data import DataModule
+from ddpkit.dist_utils import DistEnv
+from ddpkit.parallel import build_model
+from ddpkit.tasks import build_task
 
 ONE = DistEnv(0, 0, 1, False)
 CPU = torch.device("cpu")

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from config import load_config
 from conftest import PROJECT, run
+from ddpkit.config import load_config
 
 pytestmark = pytest.mark.slow  # the quick tier (-m 'not slow') skips these
 

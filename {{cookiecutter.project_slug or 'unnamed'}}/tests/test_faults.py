@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import STATE_FILE, list_checkpoints, read_model
 from conftest import TINY, RunsCode, command_env, fixture, run, torchrun
+from ddpkit.checkpoint import STATE_FILE, list_checkpoints, read_model
 
 pytestmark = pytest.mark.slow  # the quick tier (-m 'not slow') skips these
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 from test_distributed import assert_same_numbers, check_equivalence, evaluate_with
 
-from checkpoint import list_checkpoints, verified
 from conftest import TINY, only_run_dir, run
+from ddpkit.checkpoint import list_checkpoints, verified
 
 pytestmark = pytest.mark.slow
 FSDP = "parallel.strategy=fsdp"

@@ -14,8 +14,8 @@ import venv
 import pytest
 import torch
 
-from checkpoint import list_checkpoints, read_model
 from conftest import PROJECT, TINY, command_env, run
+from ddpkit.checkpoint import list_checkpoints, read_model
 
 pytestmark = pytest.mark.slow  # the quick tier (-m 'not slow') skips these
 

@@ -9,7 +9,7 @@ import pytest
 import sklearn.metrics as skm
 import torch
 
-import metrics
+from ddpkit import metrics
 
 # scikit-learn warns when a class is absent; those cases are tested on purpose.
 pytestmark = [
@@ -127,8 +127,8 @@ def test_multiclass_validation_metrics_are_the_evaluation_ones():
     (detail=True) and scikit-learn's, at 50 classes with ties."""
     from omegaconf import OmegaConf
 
-    from builtin_tasks import MulticlassTask
-    from splits import Splits
+    from ddpkit.splits import Splits
+    from ddpkit.tasks import MulticlassTask
 
     scores, labels = many_classes(6, 1500, 50, "rounded")
     task = MulticlassTask(OmegaConf.create({}), Splits(None, None, None, "multiclass", 50), None)

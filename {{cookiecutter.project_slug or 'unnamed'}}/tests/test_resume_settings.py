@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint import list_checkpoints
 from conftest import TINY, run
+from ddpkit.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
 

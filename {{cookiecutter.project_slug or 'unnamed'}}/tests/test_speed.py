@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from builtin_tasks import build_task
-from checkpoint import load_checkpoint, read_model
-from config import load_config
 from conftest import IMAGES, TINY, TINY_SPLIT, only_run_dir, torchrun
-from data import DataModule
-from dist_utils import DistEnv
-from parallel import build_model
-from speed import FLOAT32, Speed, grad_scaler
+from ddpkit.checkpoint import load_checkpoint, read_model
+from ddpkit.config import load_config
+from ddpkit.data import DataModule
+from ddpkit.dist_utils import DistEnv
+from ddpkit.parallel import build_model
+from ddpkit.speed import FLOAT32, Speed, grad_scaler
+from ddpkit.tasks import build_task
 from train import train_step
 
 STEPS_PER_EPOCH = TINY_SPLIT["train"] // 12  # TINY's global batch

@@ -12,9 +12,9 @@ import pytest
 from test_evaluate_faults import left_in
 from test_faults import descendants, finish, logged_steps, wait_for
 
-import sweep
-from config import UserError
 from conftest import PROJECT, TINY, command_env, run
+from ddpkit import sweep
+from ddpkit.config import UserError
 
 
 class PretendTrial:

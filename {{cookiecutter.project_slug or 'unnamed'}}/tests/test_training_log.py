@@ -10,10 +10,10 @@ import time
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import training_log
 from conftest import TINY, fixture, only_run_dir, run, torchrun
-from dist_utils import DistEnv
-from training_log import TrainingLog
+from ddpkit import training_log
+from ddpkit.dist_utils import DistEnv
+from ddpkit.training_log import TrainingLog
 
 
 def records(path) -> list[dict]:

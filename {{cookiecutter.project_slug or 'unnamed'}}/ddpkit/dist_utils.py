@@ -29,7 +29,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from config import PROJECT_DIR, UserError
+from ddpkit.config import PROJECT_DIR, UserError
 
 log = logging.getLogger("ddp")
 

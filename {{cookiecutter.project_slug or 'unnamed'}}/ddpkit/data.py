@@ -36,10 +36,10 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-from builtin_datasets import DATASETS
-from config import UserError, lookup
-from dist_utils import DistEnv
-from splits import Splits
+from ddpkit.config import UserError, lookup
+from ddpkit.datasets import DATASETS
+from ddpkit.dist_utils import DistEnv
+from ddpkit.splits import Splits
 
 log = logging.getLogger("ddp")
 

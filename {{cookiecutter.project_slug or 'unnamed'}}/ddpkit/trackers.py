@@ -35,7 +35,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from config import PROJECT_DIR, UserError
+from ddpkit.config import PROJECT_DIR, UserError
 
 log = logging.getLogger("ddp")
 

@@ -3,7 +3,7 @@
 `Splits` holds the three splits (any map-style `Dataset`) and what the task needs to know of the
 targets. `split_indices` makes a fixed, stratified split from the `data` config; `array_splits`
 builds all of `Splits` for data that fits in memory (`TensorSamples`: whole batches read with one
-indexing operation). builtin_datasets.py uses them for the examples; your builders in
+indexing operation). ddpkit/datasets.py uses them for the examples; your builders in
 data_sources.py can too.
 """
 
@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
-from config import UserError
+from ddpkit.config import UserError
 
 
 @dataclass

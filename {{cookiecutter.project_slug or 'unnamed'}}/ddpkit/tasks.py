@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-import metrics as M
-from config import UserError, lookup
-from splits import Splits
+from ddpkit import metrics as M
+from ddpkit.config import UserError, lookup
+from ddpkit.splits import Splits
 
 
 class Task:
@@ -432,8 +432,3 @@ def build_task(cfg: DictConfig, splits: Splits) -> Task:
     name = cfg.task.name or splits.task
     key = "task.name" if cfg.task.name else f"the task of data.dataset={cfg.data.dataset}"
     return lookup(TASKS, name, key, "a task")(cfg.task, splits, cfg.eval)
-
-
-# Your tasks register themselves when tasks.py is imported. Importing it here, once TASKS
-# exists, means build_task sees them, whatever that file imports itself.
-import tasks  # noqa: E402, F401

@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader
 
-import dist_utils
-from builtin_tasks import Task
-from config import UserError
-from data import EvalShardSampler, count_samples, map_tensors, to_device
-from dist_utils import Supervisor
-from parallel import is_sharded
-from speed import FLOAT32, Speed
+from ddpkit import dist_utils
+from ddpkit.config import UserError
+from ddpkit.data import EvalShardSampler, count_samples, map_tensors, to_device
+from ddpkit.dist_utils import Supervisor
+from ddpkit.parallel import is_sharded
+from ddpkit.speed import FLOAT32, Speed
+from ddpkit.tasks import Task
 
 log = logging.getLogger("ddp")
 

@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from config import UserError
+from ddpkit.config import UserError
 
 
 class MLP(nn.Module):
@@ -86,7 +86,3 @@ def build_cnn(cfg: DictConfig, input_shape: tuple, num_classes: int) -> nn.Modul
 MODELS: dict[str, Callable[[DictConfig, tuple, int], nn.Module]] = {
     "mlp": build_mlp, "cnn": build_cnn,
 }
-
-# Your models register themselves when model.py is imported. Importing it here, once MODELS
-# exists, means whoever looks a model up sees them, whatever that file imports itself.
-import model  # noqa: E402, F401

@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-import dist_utils
-from checkpoint import Position
-from config import UserError
-from dist_utils import DistEnv
+from ddpkit import dist_utils
+from ddpkit.checkpoint import Position
+from ddpkit.config import UserError
+from ddpkit.dist_utils import DistEnv
 
 log = logging.getLogger("ddp")
 

@@ -41,17 +41,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, staging
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-import dist_utils
-from config import UserError
-from dist_utils import DistEnv
+from ddpkit import dist_utils
+from ddpkit.config import UserError
+from ddpkit.dist_utils import DistEnv
 
 log = logging.getLogger("ddp")
 
@@ -531,21 +529,19 @@ def _cause(error: BaseException, kind: type = OSError):
     return None
 
 
-class ReusedStagingBuffers(BlockingAsyncStager):
-    """DCP's staging for asynchronous saves, with the CPU copies of the state kept from one save
+def reused_staging_buffers():
+    """DCP's stager for asynchronous saves that keeps its CPU copies of the state from one save
     to the next: a save then copies into memory already there instead of allocating (and
-    faulting in) a fresh copy of the model and optimizer every time, which on CPU costs several
+    faulting in) a fresh copy of the model and optimizer each time, which on CPU costs several
     times the copy itself. Pinned memory when there is a GPU. One save in flight at most: the
-    next save overwrites the buffers (Checkpointer.save waits for the write first)."""
-
-    def __init__(self):
-        super().__init__(cache_staged_state_dict=True)
-
-    def stage(self, state_dict: dict) -> dict:
-        if self.state_dict_cache is None:
-            self.state_dict_cache = _create_cpu_state_dict(
-                state_dict, pin_memory=torch.cuda.is_available())
-        return _copy_state_dict(state_dict, self.state_dict_cache)
+    next save overwrites the buffers (Checkpointer.save waits for the write first). None on a
+    torch without DefaultStager: async_save's own staging then copies afresh each time."""
+    if not hasattr(staging, "DefaultStager"):
+        return None
+    gpu = torch.cuda.is_available()
+    return staging.DefaultStager(staging.StagingOptions(
+        use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
+        use_non_blocking_copy=False))
 
 
 def refuse_non_finite(model_state: dict, step: int, folder: Path) -> None:
@@ -595,7 +591,7 @@ class Checkpointer:
         # group of its own, they never meet the training's collectives.
         self.group = (dist.new_group(backend="gloo") if self.asynchronous
                       and dist.is_initialized() else None)
-        self.stager = ReusedStagingBuffers() if self.asynchronous else None
+        self.stager = reused_staging_buffers() if self.asynchronous else None
         self.pending: Future | None = None  # done when the write in flight is renamed into place
         self.pending_path: Path | None = None
         self.pending_bytes = 0

@@ -4,7 +4,7 @@
 process group, wraps the model in DistributedDataParallel (`parallel.strategy=ddp`) or shards it
 with FSDP2 (`parallel.strategy=fsdp`), and compiles it when asked; `unwrap` gives the user's
 module back. `skip_gradient_sync` (gradient accumulation) and `ModelState` (checkpoints) hide
-which of the two it is from the training loop. The models themselves are in builtin_models.py
+which of the two it is from the training loop. The models themselves are in ddpkit/models.py
 (the examples) and model.py (yours).
 """
 
@@ -28,11 +28,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
-from builtin_models import MODELS
-from checkpoint import rng_state, set_rng_state
-from config import lookup
-from dist_utils import DistEnv
-from speed import Speed
+from ddpkit.checkpoint import rng_state, set_rng_state
+from ddpkit.config import lookup
+from ddpkit.dist_utils import DistEnv
+from ddpkit.models import MODELS
+from ddpkit.speed import Speed
 
 
 class _SumOverRanks(torch.autograd.Function):

@@ -1,6 +1,6 @@
 """Checks run.sh makes before torchrun starts a single worker: each problem is one line, exit 2.
 
-    python preflight.py --nproc-per-node N --nnodes M [--script train.py]
+    python -m ddpkit.preflight --nproc-per-node N --nnodes M [--script train.py]
                         [--endpoint HOST:PORT --node-rank R] [--config FILE] [key=value ...]
 
 It compiles the files of your own (a syntax error would otherwise stop every rank, and every
@@ -21,14 +21,14 @@ import sys
 import threading
 from pathlib import Path
 
-PROJECT_DIR = Path(__file__).resolve().parent
-# The files a user edits (README: Yours to edit); config.py imports settings.py.
-OWN_FILES = ("settings.py", "data_sources.py", "model.py", "tasks.py")
+from ddpkit.project import PROJECT_DIR
+from ddpkit.recipes import RECIPES, SETTINGS
+
+OWN_FILES = [f"{name}.py" for name in (SETTINGS, *RECIPES)]  # the files a user edits
 
 
 class Refused(Exception):
-    """A reason not to launch, in one line. (Not config's UserError: config.py imports the
-    user's settings.py, which is compiled first.)"""
+    """A reason not to launch, in one line."""
 
 
 def check_compiles(paths: list[str]) -> None:
@@ -121,7 +121,7 @@ def preflight(argv: list[str]) -> None:
         options[argv[0]], argv = argv[1], argv[2:]
     nproc, nnodes = int(options["--nproc-per-node"]), int(options["--nnodes"])
     check_compiles([*OWN_FILES, options["--script"], *named_files(argv)])
-    from config import UserError, load_config
+    from ddpkit.config import UserError, load_config
 
     training = Path(options["--script"]).name == "train.py"
     try:

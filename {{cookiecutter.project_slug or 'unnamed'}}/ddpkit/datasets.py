@@ -36,8 +36,8 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
-from config import PROJECT_DIR, UserError
-from splits import Splits, array_splits, split_indices
+from ddpkit.config import PROJECT_DIR, UserError
+from ddpkit.splits import Splits, array_splits, split_indices
 
 
 def sklearn_csv(name: str) -> Path | None:
@@ -224,7 +224,3 @@ DATASETS = {
     "synthetic": synthetic,
     "images": images,
 }
-
-# Your datasets register themselves when data_sources.py is imported. Importing it here, once
-# DATASETS exists, means whoever looks a dataset up sees them, whatever that file imports itself.
-import data_sources  # noqa: E402, F401

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from config import UserError
+from ddpkit.config import UserError
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where PyTorch (2.4+) has a fused AdamW kernel

@@ -1,0 +1,739 @@
+"""Hyperparameter sweeps: every trial a normal run, launched with run.sh.
+
+    python sweep.py optim.lr=1e-3,3e-3 model.hidden_dim=128,256        # a grid: 4 trials
+    python sweep.py --random 8 optim.lr=loguniform(1e-4,1e-2) model.dropout=0,0.1,0.2
+    python sweep.py --nproc 2 --name lr-scan optim.lr=1e-3,3e-3 train.epochs=50
+    python sweep.py --slurm optim.lr=1e-3,3e-3                          # a SLURM job array
+    python sweep.py --optuna 20 optim.lr=loguniform(1e-4,1e-2) model.hidden_dim=128,256
+
+An override with a comma (or a range, for --random) is swept; one without is set in every
+trial. Each trial runs `./run.sh <its overrides> run.dir=<sweep>/trial-NNN` with --nproc
+processes (default: $NPROC_PER_NODE, else 1), so it is an ordinary run folder: resumable,
+evaluable, tracked like any other.
+
+On one machine the trials are packed onto the GPUs: a trial of k processes gets k GPUs of its
+own through CUDA_VISIBLE_DEVICES, and as many trials run at once as there are GPUs for them.
+Without GPUs, one trial runs at a time. With --slurm the trials become one job array
+(<sweep>/array.sbatch), each element a job of its own, requeued after a preemption.
+
+The sweep folder (default runs/sweeps/<name>) holds sweep.json (the plan), the trials' run
+folders, logs/trial-NNN.log (each trial's output) and, when every trial has ended, summary.csv
+and summary.md (trials ranked by the task's headline validation metric) and summary.png (that
+metric against each swept setting). Running the same command again (same --name) reruns only
+the trials that did not finish: the failed ones, and those a crash or preemption cut short
+(they continue from their checkpoints). A failing trial is reported with its one-line error;
+the others go on. The exit status is 0 when every trial finished, 1 otherwise.
+
+With --optuna N, Optuna (TPE, study in <sweep>/optuna.db) picks each trial's settings from the
+lists and ranges, hears every epoch's headline validation value, and stops a trial whose value
+falls below the median of earlier trials at the same epoch (median pruning: the trial gets
+SIGTERM, saves a checkpoint and leaves). Rerunning continues the study up to N trials.
+"""
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddpkit import report
+from ddpkit.config import PROJECT_DIR, UserError, schema_type
+
+PLAN_FILE = "sweep.json"
+PREEMPTED_EXIT = 75  # as dist_utils.PREEMPTED_EXIT (not imported: it would import torch)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+LAUNCH_MARK = "### sweep.py started:"  # heads each launch in a trial's log
+RANGE = re.compile(r"^(uniform|loguniform|int)\((.+),(.+)\)$")
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+def parse_space(overrides: list[str], random_search: bool) -> tuple[dict, list[str]]:
+    """{key: [values] or (kind, low, high)} for the swept keys, and the fixed overrides."""
+    space, fixed = {}, []
+    for item in overrides:
+        key, has_value, value = item.partition("=")
+        if not has_value or not key:
+            raise UserError(f"{item!r} is not a key=value override, e.g. optim.lr=1e-3,3e-3")
+        if schema_type(key) is None:
+            raise UserError(f"{key} is not a config key (python config.py lists them all)")
+        if key in ("run.dir", "run.output_dir"):
+            raise UserError(f"{key} is set by the sweep for each trial: drop it (use --out)")
+        ranged = RANGE.match(value.replace(" ", ""))
+        if ranged:
+            if not random_search:
+                raise UserError(f"{item}: a range needs --random N (a grid takes lists: "
+                                f"{key}=a,b,c)")
+            kind, low, high = ranged.groups()
+            try:
+                low_value, high_value = float(low), float(high)
+            except ValueError:
+                raise UserError(f"{item}: the range's ends must be numbers") from None
+            if not low_value < high_value or (kind == "loguniform" and low_value <= 0):
+                raise UserError(f"{item}: needs 0 < low < high for loguniform, low < high "
+                                "otherwise")
+            if kind == "int" and math.ceil(low_value) > math.floor(high_value):
+                raise UserError(f"{item}: {key} has no whole number between {low} and {high}: "
+                                "widen the range")
+            space[key] = (kind, low_value, high_value)
+        elif "," in value:
+            values = value.split(",")
+            if len(set(values)) != len(values) or "" in values:
+                raise UserError(f"{item}: list each value once, separated by commas")
+            space[key] = values
+        else:
+            fixed.append(item)
+    if not space:
+        raise UserError("nothing to sweep: give at least one key a list of values, e.g. "
+                        "optim.lr=1e-3,3e-3")
+    return space, fixed
+
+
+def _draw(spec, rng: random.Random) -> str:
+    if isinstance(spec, list):
+        return rng.choice(spec)
+    kind, low, high = spec
+    if kind == "int":
+        return str(rng.randint(math.ceil(low), math.floor(high)))
+    if kind == "loguniform":
+        return f"{math.exp(rng.uniform(math.log(low), math.log(high))):.4g}"
+    return f"{rng.uniform(low, high):.4g}"
+
+
+def plan_trials(space: dict, random_trials: int = 0, seed: int = 0) -> list[dict]:
+    """Each trial's swept settings, in order: the whole grid, or `random_trials` draws (distinct
+    while the space has that many)."""
+    keys = list(space)
+    if not random_trials:
+        return [dict(zip(keys, values, strict=True))
+                for values in itertools.product(*(space[key] for key in keys))]
+    rng, trials, seen = random.Random(seed), [], set()
+    size = math.prod(len(s) if isinstance(s, list) else math.inf for s in space.values())
+    while len(trials) < random_trials:
+        trial = {key: _draw(space[key], rng) for key in keys}
+        signature = tuple(trial.values())
+        if signature in seen and len(seen) < size:
+            continue
+        seen.add(signature)
+        trials.append(trial)
+    return trials
+
+
+def trial_id(index: int) -> str:
+    return f"trial-{index:03d}"
+
+
+@dataclass
+class Sweep:
+    folder: Path
+    trials: list[dict]  # the swept settings of each trial
+    fixed: list[str]  # overrides of every trial
+    nproc: int
+    config_file: str = ""
+    pruned: list[int] = field(default_factory=list)  # Optuna: trials stopped early on purpose
+
+    def overrides(self, index: int) -> list[str]:
+        args = [f"--config={self.config_file}"] if self.config_file else []
+        return [*args, *self.fixed, *(f"{k}={v}" for k, v in self.trials[index].items()),
+                f"run.dir={self.run_dir(index)}"]
+
+    def run_dir(self, index: int) -> Path:
+        return self.folder / trial_id(index)
+
+    def log_file(self, index: int) -> Path:
+        return self.folder / "logs" / f"{trial_id(index)}.log"
+
+    def finished(self, index: int) -> bool:
+        summary = self.run_dir(index) / report.SUMMARY_FILE
+        try:
+            return json.loads(summary.read_text()).get("status") == "done"
+        except (OSError, json.JSONDecodeError):
+            return False
+
+    def save(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        plan = {"trials": self.trials, "fixed": self.fixed, "nproc": self.nproc,
+                "config_file": self.config_file, "pruned": self.pruned}
+        path = self.folder / PLAN_FILE
+        tmp = path.with_name(f".{path.name}.tmp")  # a stop while writing keeps the old plan
+        tmp.write_text(json.dumps(plan, indent=1) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, folder: Path) -> "Sweep":
+        try:
+            plan = json.loads((folder / PLAN_FILE).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise UserError(f"{folder} is not a sweep folder ({error})") from None
+        return cls(folder, plan["trials"], plan["fixed"], plan["nproc"], plan["config_file"],
+                   plan.get("pruned", []))
+
+
+def open_sweep(args) -> Sweep:
+    """The sweep folder: created with its plan, or found again (then the plan must match)."""
+    space, fixed = parse_space(args.overrides, bool(args.random))
+    trials = plan_trials(space, args.random, args.seed)
+    wanted = Sweep(args.out / args.name, trials, fixed, args.nproc, args.config or "")
+    if (wanted.folder / PLAN_FILE).is_file():
+        found = Sweep.load(wanted.folder)
+        if (found.trials, found.fixed, found.nproc, found.config_file) != (
+                wanted.trials, wanted.fixed, wanted.nproc, wanted.config_file):
+            raise UserError(f"{wanted.folder} holds a sweep with other settings: rerun its own "
+                            "command to continue it, or choose another --name")
+        return found
+    wanted.save()
+    return wanted
+
+
+# --- running trials on one machine -------------------------------------------------------------
+
+def visible_devices() -> list[str]:
+    """The GPUs this process may use (ids as CUDA_VISIBLE_DEVICES names them)."""
+    from ddpkit.preflight import visible_gpus
+
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d for d in listed.split(",") if d.strip() and d.strip() != "-1"]
+    return [str(i) for i in range(visible_gpus())]
+
+
+class DevicePool:
+    """GPUs handed out in blocks of k, each GPU to one trial at a time."""
+
+    def __init__(self, devices: list[str]):
+        self.free = list(devices)
+
+    def take(self, count: int) -> list[str] | None:
+        if len(self.free) < count:
+            return None
+        taken, self.free = self.free[:count], self.free[count:]
+        return taken
+
+    def give(self, devices: list[str]) -> None:
+        self.free.extend(devices)
+
+
+def run_packed(indices: list[int], nproc: int, devices: list[str], start, wait_step=None,
+               max_parallel: int = 0) -> dict[int, int]:
+    """Run trials, as many at once as the devices allow (one at a time with none).
+
+    start(index, devices) starts a trial and returns something with poll() (a Popen);
+    wait_step() is called while trials run (default: a short sleep). Returns each trial's exit
+    status."""
+    if devices and nproc > len(devices):
+        raise UserError(f"a trial of {nproc} processes needs {nproc} GPUs and {len(devices)} "
+                        f"are visible: use --nproc {len(devices)} or fewer")
+    pool = DevicePool(devices)
+    limit = max_parallel or (len(devices) // nproc if devices else 1)
+    waiting, running, statuses = list(indices), {}, {}
+    while waiting or running:
+        while waiting and len(running) < limit:
+            block = pool.take(nproc) if devices else []
+            if block is None:
+                break
+            index = waiting.pop(0)
+            running[index] = (start(index, block), block)
+        for index, (process, block) in list(running.items()):
+            status = process.poll()
+            if status is not None:
+                statuses[index] = status
+                pool.give(block)
+                del running[index]
+        if running:
+            (wait_step or (lambda: time.sleep(0.2)))()
+    return statuses
+
+
+def error_line(log_file: Path) -> str:
+    """The line that says why a trial failed: its `error: ...`, else its last words."""
+    try:
+        lines = [line.strip() for line in log_file.read_text(errors="replace").splitlines()]
+    except OSError:
+        return "(no log)"
+    for line in reversed(lines):
+        if line.startswith("error:") or " error: " in line:
+            return line
+    return next((line for line in reversed(lines) if line), "(empty log)")
+
+
+def start_trial(sweep: Sweep, index: int, devices: list[str], threads: int) -> subprocess.Popen:
+    env = dict(os.environ, NPROC_PER_NODE=str(sweep.nproc), OMP_NUM_THREADS=str(threads))
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    for name in ("RDZV_ID", "SLURM_JOB_ID", "DDP_JOB_ID"):  # each trial a job of its own
+        env.pop(name, None)
+    log_file = sweep.log_file(index)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "a") as handle:
+        handle.write(f"{LAUNCH_MARK} {time.strftime('%Y-%m-%d %H:%M:%S')} ./run.sh "
+                     f"{' '.join(sweep.overrides(index))}\n")
+        handle.flush()
+        return subprocess.Popen(["./run.sh", *sweep.overrides(index)], cwd=PROJECT_DIR,
+                                stdout=handle, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+class Stopped(Exception):
+    """The sweep got a signal; its running trials are stopped."""
+
+    def __init__(self, number: int):
+        super().__init__(signal.Signals(number).name)
+        self.number = number
+
+
+@contextlib.contextmanager
+def trials_stop_with_the_sweep(processes: list[subprocess.Popen]) -> Iterator[None]:
+    """Ctrl-C, SIGTERM from a scheduler or SIGHUP (the terminal closed): every running trial's
+    process group (run.sh and its job) gets SIGTERM, which run.sh treats as a preemption (a
+    checkpoint at the step all ranks reach), and the sweep waits for them before it raises
+    Stopped; a rerun continues. Trials run in sessions of their own, so nothing else tells them."""
+    received: list[int] = []
+
+    def stop(number, frame):
+        for process in processes:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
+        if not received:  # a second signal only forwards: the sweep is waiting already
+            received.append(number)
+            raise Stopped(number)
+
+    previous = {number: signal.signal(number, stop) for number in STOP_SIGNALS}
+    try:
+        yield
+    except Stopped:
+        for process in processes:
+            process.wait()
+        raise
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def run_local(sweep: Sweep, devices: list[str], max_parallel: int) -> dict[int, int]:
+    todo = [i for i in range(len(sweep.trials)) if not sweep.finished(i)]
+    done = len(sweep.trials) - len(todo)
+    print(f"sweep {sweep.folder}: {len(sweep.trials)} trial(s), {done} finished before, "
+          f"{len(todo)} to run, {sweep.nproc} process(es) each, "
+          f"{'GPUs ' + ','.join(devices) if devices else 'no GPU: one at a time'}", flush=True)
+    cores = os.cpu_count() or 1
+    in_use = max(1, (len(devices) if devices else sweep.nproc))
+    threads = max(1, cores // in_use)
+    processes: list[subprocess.Popen] = []
+
+    def start(index: int, block: list[str]) -> subprocess.Popen:
+        settings = " ".join(f"{k}={v}" for k, v in sweep.trials[index].items())
+        where = f" on GPU {','.join(block)}" if block else ""
+        print(f"{trial_id(index)} started: {settings}{where}", flush=True)
+        process = start_trial(sweep, index, block, threads)
+        processes.append(process)
+        return process
+
+    with trials_stop_with_the_sweep(processes):
+        statuses = run_packed(todo, sweep.nproc, devices, start, max_parallel=max_parallel)
+    for index in todo:
+        status = statuses[index]
+        if status == 0 and sweep.finished(index):
+            print(f"{trial_id(index)} finished", flush=True)
+        else:
+            print(f"{trial_id(index)} failed (exit {status}): {error_line(sweep.log_file(index))}"
+                  f"  [log: {sweep.log_file(index)}]", flush=True)
+    return statuses
+
+
+# --- SLURM --------------------------------------------------------------------------------------
+
+ARRAY_SCRIPT = """#!/usr/bin/env bash
+# Job array of sweep @NAME@: element N runs trial N of sweep.json through run.sh.
+# Written by sweep.py --slurm (which submits it); rerunning that command resubmits only the
+# trials that did not finish. A preempted element saves a checkpoint and requeues itself.
+#SBATCH --job-name=@NAME@
+#SBATCH --array=@ARRAY@
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=@NPROC@
+#SBATCH --cpus-per-task=@CPUS@
+#SBATCH --time=@TIME@
+#SBATCH --signal=USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=@FOLDER@/logs/trial-%a.slurm.out
+set -euo pipefail
+cd @PROJECT@
+
+trial_args=()
+while IFS= read -r line; do
+  trial_args+=("$line")
+done < <("${PYTHON:-python3}" sweep.py --trial-args @QUOTED_FOLDER@ "$SLURM_ARRAY_TASK_ID")
+
+export NPROC_PER_NODE=@NPROC@
+export NNODES=1  # a trial is one node's job, whatever the project's default
+export RDZV_ID="$SLURM_JOB_ID"  # each element has its own job id, kept when requeued
+status=0
+srun --kill-on-bad-exit=1 ./run.sh "${trial_args[@]}" || status=$?
+if [[ "$status" -eq 75 ]]; then
+  echo "preempted: the checkpoint is saved; requeueing job $SLURM_JOB_ID to continue"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"
+"""
+
+
+def array_script(sweep: Sweep, indices: list[int], args) -> str:
+    """A job array of the trials `indices`: each element one trial on its own allocation."""
+    array = ",".join(str(i) for i in indices)
+    if args.max_parallel:
+        array += f"%{args.max_parallel}"
+    values = {"@NAME@": sweep.folder.name, "@ARRAY@": array, "@NPROC@": str(sweep.nproc),
+              "@CPUS@": str(args.cpus_per_task), "@TIME@": args.time,
+              "@FOLDER@": str(sweep.folder), "@PROJECT@": shlex.quote(str(PROJECT_DIR)),
+              "@QUOTED_FOLDER@": shlex.quote(str(sweep.folder))}
+    text = ARRAY_SCRIPT
+    for placeholder in sorted(values, key=len, reverse=True):  # @QUOTED_FOLDER@ before @FOLDER@
+        text = text.replace(placeholder, values[placeholder])
+    return text
+
+
+def submit_array(sweep: Sweep, args) -> int:
+    todo = [i for i in range(len(sweep.trials)) if not sweep.finished(i)]
+    if not todo:
+        print(f"sweep {sweep.folder}: every trial finished")
+        return write_summary(sweep)
+    script = sweep.folder / "array.sbatch"
+    script.write_text(array_script(sweep, todo, args))
+    (sweep.folder / "logs").mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        print(f"wrote {script} (not submitted: --dry-run)")
+        return 0
+    result = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True,
+                            text=True, check=False)
+    if result.returncode != 0:
+        raise UserError(f"sbatch refused {script}: {result.stderr.strip() or result.stdout}")
+    print(f"submitted job array {result.stdout.strip()} ({len(todo)} trial(s)); when it has "
+          f"ended, `python sweep.py --summary {sweep.folder}` writes the summary")
+    return 0
+
+
+# --- Optuna ------------------------------------------------------------------------------------
+
+def task_direction(sweep: Sweep) -> str:
+    """maximize or minimize: what the task's headline metric wants (the data is built to know
+    the task, as training does)."""
+    from ddpkit import recipes
+    from ddpkit.config import load_config
+    from ddpkit.data import build_splits
+    from ddpkit.tasks import build_task
+
+    recipes.load()  # the dataset and task may be yours
+    argv = ([f"--config={sweep.config_file}"] if sweep.config_file else []) + sweep.fixed
+    cfg = load_config(argv)
+    task = build_task(cfg, build_splits(cfg))
+    return "maximize" if task.higher_is_better else "minimize"
+
+
+def _suggest(trial, key: str, spec) -> str:
+    if isinstance(spec, list):
+        return trial.suggest_categorical(key, spec)
+    kind, low, high = spec
+    if kind == "int":
+        return str(trial.suggest_int(key, math.ceil(low), math.floor(high)))
+    return f"{trial.suggest_float(key, low, high, log=kind == 'loguniform'):.6g}"
+
+
+def _new_epochs(run_dir: Path, seen: int) -> list[dict]:
+    """Records of metrics.jsonl after the first `seen` (a line being written is left out)."""
+    try:
+        text = (run_dir / "metrics.jsonl").read_text()
+    except OSError:
+        return []
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+    return [json.loads(line) for line in lines[seen:]]
+
+
+def _report_epochs(job: dict, number: int, run_dir: Path, key: str | None) -> None:
+    """Report a running trial's new epochs to Optuna; SIGTERM it when the pruner says so (it
+    saves a checkpoint and leaves, as when preempted)."""
+    for record in _new_epochs(run_dir, job["seen"]):
+        job["seen"] += 1
+        value = record.get(key) if key else None
+        if value is None or job["pruning"]:
+            continue
+        job["trial"].report(value, step=record["epoch"])
+        if job["trial"].should_prune():
+            job["pruning"] = True
+            print(f"{trial_id(number)} pruned at epoch {record['epoch']} ({key} {value:.4g})",
+                  flush=True)
+            job["process"].send_signal(signal.SIGTERM)
+
+
+def _settle(study, sweep: Sweep, job: dict, number: int, status: int, key: str | None) -> int:
+    """Tell Optuna how an ended trial went; 1 if it counts towards the study's trials."""
+    import optuna
+
+    states = optuna.trial.TrialState
+    if job["pruning"]:
+        study.tell(job["trial"], state=states.PRUNED)
+        sweep.pruned.append(number)
+        sweep.save()
+        return 1
+    if status == 0 and sweep.finished(number):
+        best = report.read_run(sweep.run_dir(number)).best()
+        study.tell(job["trial"], best)
+        print(f"{trial_id(number)} finished: {key} {best}", flush=True)
+        return 1
+    study.tell(job["trial"], state=states.FAIL)
+    print(f"{trial_id(number)} failed (exit {status}): {error_line(sweep.log_file(number))}",
+          flush=True)
+    if not sweep.run_dir(number).is_dir():  # failed at launch: the fix is the user's
+        raise UserError(f"{trial_id(number)} could not start, so no other will: "
+                        f"{error_line(sweep.log_file(number))}")
+    return 0
+
+
+def run_optuna(sweep: Sweep, space: dict, n_trials: int, devices: list[str], storage: str,
+               direction: str, seed: int = 0, start=None, wait_step=None,
+               prune_after: int = 2) -> None:
+    """Ask Optuna for trials, run them (packed like the grid), report each epoch's headline
+    validation value, and stop a trial the pruner gives up on (SIGTERM: it saves a checkpoint
+    and leaves, as when preempted). The study lives in `storage`: a rerun continues it until
+    `n_trials` have finished or been pruned; a trial the last run left unfinished is marked
+    failed and its settings are tried again first, as a new trial from step 0."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        study_name=sweep.folder.name, storage=storage, load_if_exists=True,
+        direction=direction, sampler=optuna.samplers.TPESampler(seed=seed),
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=prune_after, n_warmup_steps=0))
+    states = optuna.trial.TrialState
+    start = start or (lambda index, block: start_trial(sweep, index, block, 1))
+    for left in study.get_trials(deepcopy=False, states=(states.RUNNING,)):
+        study.tell(left.number, state=states.FAIL)
+        study.enqueue_trial(left.params)
+    counted = sum(t.state in (states.COMPLETE, states.PRUNED)
+                  for t in study.get_trials(deepcopy=False))
+    key = None  # the headline metric's key in metrics.jsonl, from the first summary.json
+    pool, slots = DevicePool(devices), (len(devices) // sweep.nproc if devices else 1)
+    running: dict[int, dict] = {}
+
+    def launch(trial) -> bool:
+        block = pool.take(sweep.nproc) if devices else []
+        if block is None:
+            return False
+        params = {k: _suggest(trial, k, spec) for k, spec in space.items()}
+        while len(sweep.trials) <= trial.number:
+            sweep.trials.append({})
+        sweep.trials[trial.number] = params
+        sweep.save()
+        print(f"{trial_id(trial.number)} started: "
+              + " ".join(f"{k}={v}" for k, v in params.items()), flush=True)
+        running[trial.number] = {"trial": trial, "process": start(trial.number, block),
+                                 "block": block, "seen": 0, "pruning": False}
+        return True
+
+    while counted + len(running) < n_trials or running:
+        while len(running) < slots and counted + len(running) < n_trials:
+            if (devices and len(pool.free) < sweep.nproc) or not launch(study.ask()):
+                break
+        for number, job in list(running.items()):
+            run_dir = sweep.run_dir(number)
+            if key is None and (run_dir / report.SUMMARY_FILE).is_file():
+                with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
+                    key = "val_" + json.loads((run_dir / report.SUMMARY_FILE).read_text())[
+                        "headline"]
+            _report_epochs(job, number, run_dir, key)
+            status = job["process"].poll()
+            if status is None:
+                continue
+            pool.give(job["block"])
+            del running[number]
+            counted += _settle(study, sweep, job, number, status, key)
+        if running:
+            (wait_step or (lambda: time.sleep(0.5)))()
+    best = study.best_trial if any(t.state == states.COMPLETE for t in study.trials) else None
+    if best is not None:
+        print(f"best: {trial_id(best.number)} {key or 'value'} {best.value:.4g} "
+              + " ".join(f"{k}={v}" for k, v in best.params.items()), flush=True)
+
+
+# --- the summary ------------------------------------------------------------------------------
+
+def write_summary(sweep: Sweep) -> int:
+    """summary.csv / .md (ranked) and summary.png; returns 0 if every trial finished."""
+    rows, runs = [], []
+    for index, settings in enumerate(sweep.trials):
+        run_dir = sweep.run_dir(index)
+        history = report.read_run(run_dir) if run_dir.is_dir() else None
+        if history is not None:
+            runs.append((settings, history))
+        status = "finished" if sweep.finished(index) else "failed"
+        if index in sweep.pruned:
+            status = "pruned"
+        row = {"trial": trial_id(index), **settings, "status": status,
+               "metric": f"val_{history.headline}" if history else None,
+               "best": history.best() if history else None,
+               "last": (history.val_values() or [None])[-1] if history else None}
+        if row["status"] == "failed":
+            row["error"] = error_line(sweep.log_file(index))
+        rows.append(row)
+    higher = all(history.higher_is_better for _, history in runs) if runs else True
+    rows = report.rank(rows, higher_is_better=higher)
+    tables = report.write_table(rows, sweep.folder / "summary")
+    png = plot_sweep(sweep, runs, sweep.folder / "summary.png")
+    print(report.markdown_table(rows), end="")
+    print(f"wrote {', '.join(str(path) for path in [*tables, png])}")
+    return 0 if all(row["status"] in ("finished", "pruned") for row in rows) else 1
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def plot_sweep(sweep: Sweep, runs: list, out: Path) -> Path:
+    """The best headline validation value of each trial against each swept setting."""
+    plt = report._pyplot()
+    keys = list(sweep.trials[0]) if sweep.trials else []
+    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4.5 * max(1, len(keys)), 3.8),
+                             squeeze=False)
+    metric = f"val {runs[0][1].headline}" if runs else "val metric"
+    for ax, key in zip(axes[0], keys, strict=False):
+        points = [(settings[key], history.best()) for settings, history in runs
+                  if history.best() is not None]
+        numbers = [_number(value) for value, _ in points]
+        if points and all(n is not None for n in numbers):
+            ax.scatter(numbers, [best for _, best in points])
+            positive = [n for n in numbers if n > 0]
+            if len(positive) == len(numbers) and max(numbers) / min(numbers) >= 10:
+                ax.set_xscale("log")
+        elif points:
+            labels = sorted({value for value, _ in points})
+            ax.scatter([labels.index(value) for value, _ in points],
+                       [best for _, best in points])
+            ax.set_xticks(range(len(labels)), labels, rotation=30)
+        ax.set(xlabel=key, ylabel=f"best {metric}")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"sweep {sweep.folder.name}: {len(runs)} of {len(sweep.trials)} trials")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Run a grid or random search of training runs (see the module docstring).")
+    parser.add_argument("overrides", nargs="*", help="key=v1,v2 (swept) or key=v (fixed)")
+    parser.add_argument("--name", default="", help="sweep name (default sweep-<time>); the "
+                        "same name continues a sweep")
+    parser.add_argument("--out", type=Path, default=Path("runs/sweeps"),
+                        help="folder of sweep folders (default runs/sweeps)")
+    parser.add_argument("--nproc", type=int, default=int(os.environ.get("NPROC_PER_NODE", 1)),
+                        help="processes (GPUs) per trial")
+    parser.add_argument("--config", default="", help="config file for every trial")
+    parser.add_argument("--random", type=int, default=0, metavar="N",
+                        help="N random draws instead of the whole grid")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --random")
+    parser.add_argument("--gpus", default=None, help="GPU ids to pack trials on (default: "
+                        "all visible); empty: run on CPU, one trial at a time")
+    parser.add_argument("--max-parallel", type=int, default=0,
+                        help="at most this many trials at once (default: as the GPUs allow)")
+    parser.add_argument("--optuna", type=int, default=0, metavar="N",
+                        help="N trials chosen by Optuna (TPE), pruned on the validation metric")
+    parser.add_argument("--storage", default="", help="--optuna: the study's storage "
+                        "(default sqlite:///<sweep>/optuna.db)")
+    parser.add_argument("--direction", default="auto", choices=("auto", "maximize", "minimize"),
+                        help="--optuna: auto follows the task's headline metric")
+    parser.add_argument("--slurm", action="store_true", help="submit a SLURM job array")
+    parser.add_argument("--dry-run", action="store_true", help="--slurm: write, do not submit")
+    parser.add_argument("--time", default="24:00:00", help="--slurm: time limit per trial")
+    parser.add_argument("--cpus-per-task", type=int, default=8, help="--slurm: CPUs per trial")
+    parser.add_argument("--summary", type=Path, metavar="SWEEP",
+                        help="only write the summary of the sweep folder SWEEP")
+    parser.add_argument("--trial-args", nargs=2, metavar=("SWEEP", "N"), help=argparse.SUPPRESS)
+    return parser
+
+
+def optuna_main(args) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("optuna") is None:
+        raise UserError("--optuna needs the optuna package: pip install -e '.[optuna]'")
+    if args.slurm or args.random:
+        raise UserError("--optuna chooses the trials itself: drop --slurm / --random")
+    space, fixed = parse_space(args.overrides, random_search=True)
+    folder = args.out / args.name
+    sweep = Sweep.load(folder) if (folder / PLAN_FILE).is_file() else Sweep(
+        folder, [], fixed, args.nproc, args.config or "")
+    if (sweep.fixed, sweep.nproc) != (fixed, args.nproc):
+        raise UserError(f"{folder} holds a sweep with other settings: rerun its own command "
+                        "to continue it, or choose another --name")
+    sweep.save()
+    devices = visible_devices() if args.gpus is None else [
+        d for d in args.gpus.split(",") if d.strip()]
+    direction = task_direction(sweep) if args.direction == "auto" else args.direction
+    storage = args.storage or f"sqlite:///{folder / 'optuna.db'}"
+    print(f"sweep {folder}: Optuna, {args.optuna} trial(s), {direction} the validation "
+          f"metric, study in {storage}", flush=True)
+    threads = max(1, (os.cpu_count() or 1) // max(1, len(devices) or sweep.nproc))
+    processes: list[subprocess.Popen] = []
+
+    def start(index: int, block: list[str]) -> subprocess.Popen:
+        processes.append(start_trial(sweep, index, block, threads))
+        return processes[-1]
+
+    with trials_stop_with_the_sweep(processes):
+        run_optuna(sweep, space, args.optuna, devices, storage, direction, args.seed, start)
+    return write_summary(sweep)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.trial_args:  # the job array's elements: one override per line
+            sweep = Sweep.load(Path(args.trial_args[0]))
+            print("\n".join(sweep.overrides(int(args.trial_args[1]))))
+            return 0
+        if args.summary:
+            return write_summary(Sweep.load(args.summary))
+        if args.nproc < 1:
+            raise UserError(f"--nproc {args.nproc} is not valid: at least 1 process per trial")
+        if args.random < 0:
+            raise UserError(f"--random {args.random} is not valid: a number of trials, >= 1")
+        if args.optuna < 0:
+            raise UserError(f"--optuna {args.optuna} is not valid: a number of trials, >= 1")
+        args.out = args.out if args.out.is_absolute() else PROJECT_DIR / args.out
+        args.name = args.name or time.strftime("sweep-%Y%m%d-%H%M%S")
+        if args.optuna:
+            return optuna_main(args)
+        sweep = open_sweep(args)
+        if args.slurm:
+            return submit_array(sweep, args)
+        devices = visible_devices() if args.gpus is None else [
+            d for d in args.gpus.split(",") if d.strip()]
+        run_local(sweep, devices, args.max_parallel)
+        return write_summary(sweep)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, Stopped) as stop:
+        print("sweep stopped: rerun the same command to continue it", file=sys.stderr)
+        # SIGTERM / SIGHUP: stopped on purpose, as a preempted run is (run.sh's 75).
+        interrupted = isinstance(stop, KeyboardInterrupt) or stop.number == signal.SIGINT
+        return 130 if interrupted else PREEMPTED_EXIT
+

@@ -1,0 +1,125 @@
+"""The project's layout: the commands and your recipe files on top, the engine in ddpkit/, and the
+imports between them going one way only (your files import the engine, never the reverse)."""
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import PROJECT, TINY, command_env
+from ddpkit.recipes import RECIPES, SETTINGS
+
+YOURS = {SETTINGS, *RECIPES}
+
+
+def module_names(root: Path) -> dict[str, Path]:
+    """The project's modules by import name: the top-level files and the engine package's."""
+    names = {path.stem: path for path in root.glob("*.py")}
+    for path in (root / "ddpkit").glob("*.py"):
+        names["ddpkit" if path.stem == "__init__" else f"ddpkit.{path.stem}"] = path
+    return names
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module a file imports, anywhere in it (inside functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    names = module_names(root)
+    return {name: imported_names(path) & names.keys() - {name} for name, path in names.items()}
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of the graph as a path of names, or [] when it has none."""
+    done, stack = set(), []
+
+    def visit(name: str) -> list[str]:
+        if name in stack:
+            return stack[stack.index(name):] + [name]
+        if name in done:
+            return []
+        stack.append(name)
+        for target in sorted(graph[name]):
+            if found := visit(target):
+                return found
+        stack.pop()
+        done.add(name)
+        return []
+
+    for name in sorted(graph):
+        if found := visit(name):
+            return found
+    return []
+
+
+def test_the_engine_never_imports_your_files_and_nothing_imports_in_a_cycle():
+    graph = import_graph(PROJECT)
+    engine = {name for name in graph if name.startswith("ddpkit")}
+    assert len(engine) > 15 and graph.keys() >= YOURS  # every module was read
+    assert {name: sorted(graph[name] - engine) for name in engine if graph[name] - engine} == {}
+    assert cycle(graph) == []
+    assert len([name for name in graph if name not in engine]) <= 12  # the top level stays short
+
+
+def test_the_cycle_finder_finds_one():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) == []
+
+
+def project_copy(tmp_path: Path) -> Path:
+    """The project's code and configs in a folder of its own, for a test that breaks a file."""
+    copy = tmp_path / "project"
+    ignore = shutil.ignore_patterns("__pycache__", "runs", "data", ".*")
+    shutil.copytree(PROJECT, copy, ignore=ignore)
+    return copy
+
+
+def launch(project: Path, nproc: int) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory(prefix="tr", dir=os.environ.get("TMPDIR")) as tmp:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc_per_node={nproc}", "train.py", *TINY, "train.epochs=1"],
+            cwd=project, env=command_env(TMPDIR=tmp), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, timeout=240, check=False)
+
+
+@pytest.mark.slow
+def test_a_syntax_error_in_your_model_file_is_one_line_from_rank_0(tmp_path):
+    project = project_copy(tmp_path)
+    model = project / "model.py"
+    lines = model.read_text().splitlines()
+    model.write_text("\n".join([*lines, "", "def broken(:", "    pass", ""]))
+    result = launch(project, 2)  # a bare torchrun: run.sh's preflight would stop it earlier
+    assert result.returncode != 0
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: model.py line {len(lines) + 2}: invalid syntax: fix that line "
+                      "of your file"], result.stdout
+    # No rank prints a Python traceback of it (bare torchrun still reports its workers' exit).
+    assert "SyntaxError" not in result.stdout and 'model.py", line' not in result.stdout
+
+
+def test_an_import_the_template_moved_is_one_line_naming_the_new_one(tmp_path):
+    project = project_copy(tmp_path)
+    tasks = project / "tasks.py"
+    tasks.write_text(tasks.read_text() + "from builtin_tasks import TASKS  # noqa: E402\n")
+    result = subprocess.run([sys.executable, "train.py", *TINY], cwd=project, env=command_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 2
+    assert result.stdout.strip().splitlines() == [
+        "error: tasks.py imports builtin_tasks, which the template moved to ddpkit.tasks: write "
+        "`from ddpkit.tasks import ...` at the top of your file (README: Taking template "
+        "updates)"], result.stdout
