@@ -3,6 +3,7 @@ and weight decay the optimizer would otherwise bring back) or refused in one lin
 would replay or skip data), and summary.json says how a run that did not finish ended."""
 
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -68,12 +69,21 @@ def test_a_new_learning_rate_and_weight_decay_take_effect_at_the_resumed_step(tm
     assert "lr: 0.02" in (first / "config.yaml").read_text()
 
 
-@pytest.mark.parametrize("setting", ["train.global_batch_size=24", "run.seed=3",
-                                     "data.split_seed=5"])
-def test_a_setting_a_resume_cannot_honour_is_refused_in_one_line(tmp_path, setting):
-    first = tmp_path / "first"
+@pytest.fixture(scope="module")
+def stopped_at_step_10(tmp_path_factory) -> Path:
+    """One run for the refusals below, each on a copy of its own: it stopped at step 10."""
+    first = tmp_path_factory.mktemp("stopped") / "first"
     assert run([sys.executable, "train.py", *TINY, "train.epochs=1", "train.max_steps=10",
                 f"run.dir={first}"]).returncode == 0
+    return first
+
+
+@pytest.mark.parametrize("setting", ["train.global_batch_size=24", "run.seed=3",
+                                     "data.split_seed=5"])
+def test_a_setting_a_resume_cannot_honour_is_refused_in_one_line(tmp_path, setting,
+                                                                  stopped_at_step_10):
+    first = Path(shutil.copytree(stopped_at_step_10, tmp_path / "first",
+                                 ignore=shutil.ignore_patterns(".lock")))
     before = sorted(p.name for p in (first / "checkpoints").iterdir())
     config = (first / "config.yaml").read_text()
     result = run([sys.executable, "train.py", *TINY, "train.epochs=2", setting,
