@@ -6,6 +6,7 @@ nothing conflicts, and `cruft check` fails before the update and passes after it
 The template is copied into a git repository of its own (a local path: no network)."""
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -118,3 +119,76 @@ def test_cruft_update_brings_template_changes_and_keeps_the_users_files(tmp_path
     assert sorted(line[3:] for line in status) == [".cruft.json", TEMPLATE_FILE], status
     assert json.loads((project / ".cruft.json").read_text())["commit"] == second
     call([CRUFT, "check"], project, tools)
+
+
+# The template's last commit before the engine moved into ddpkit/ (the flat layout).
+FLAT_LAYOUT = "400bb3c"
+# A row of docs/updates.md's table: | `file` | `old import` | `new import` |
+IMPORT_ROW = re.compile(r"^\| `([\w.]+)` \| `([^`]+)` \| `([^`]+)` \|$", re.MULTILINE)
+
+
+def flat_layout_template(root: Path, env: dict) -> Path:
+    """The template as it was at FLAT_LAYOUT, one commit (from this checkout's history)."""
+    known = run(["git", "cat-file", "-e", f"{FLAT_LAYOUT}^{{commit}}"], cwd=TEMPLATE)
+    if known.returncode != 0:
+        pytest.skip(f"needs the template's git history (commit {FLAT_LAYOUT})")
+    repo = root / "ddp-template"
+    repo.mkdir()
+    archive = run(["bash", "-c", f"git -C '{TEMPLATE}' archive {FLAT_LAYOUT} cookiecutter.json "
+                   f"hooks '{SLUG_DIR}' | tar -x -C '{repo}'"], cwd=TEMPLATE)
+    assert archive.returncode == 0, archive.stdout
+    call(["git", "init", "-q"], repo, env)
+    commit(repo, "The template, flat", env)
+    return repo
+
+
+@pytest.mark.slow
+def test_a_project_baked_before_the_engine_moved_takes_the_move_with_cruft_update(tmp_path,
+                                                                                   tools):
+    template = flat_layout_template(tmp_path, tools)
+    call([CRUFT, "create", template, "--no-input", "--output-dir", tmp_path / "out"], tmp_path,
+         tools)
+    project = tmp_path / "out" / "my_ddp_experiment"
+    call(["git", "init", "-q"], project, tools)
+    commit(project, "Baked from the template", tools)
+    for action, body in recipe_blocks(project):  # the user's experiment, as that README said
+        if action != "run":
+            apply_edit(project, action, body)
+    yours = {name: (project / name).read_text() for name in YOURS}
+    commit(project, "My experiment", tools)
+
+    # The template of this checkout replaces the flat one: the engine moves into ddpkit/.
+    for folder in ("hooks", SLUG_DIR):
+        shutil.rmtree(template / folder)
+        shutil.copytree(TEMPLATE / folder, template / folder, ignore=shutil.ignore_patterns(
+            "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache"))
+    shutil.copy(TEMPLATE / "cookiecutter.json", template)
+    commit(template, "The engine in ddpkit/", tools)
+    updated = call([CRUFT, "update", "-y"], project, tools)
+    assert conflicts(project) == [], updated.stdout
+    assert {name: (project / name).read_text() for name in YOURS} == yours  # skipped
+    assert (project / "ddpkit" / "models.py").is_file() and not (project / "splits.py").exists()
+
+    # Training stops at the first old import, in one line that says what to write instead.
+    smoke = [sys.executable, "train.py", "--config", "configs/my_scans.yaml",
+             "train.fast_dev_run=true", "data.dataset=digits", "model.name=mlp",
+             "task.name=multiclass"]
+    stopped = run(smoke, cwd=project)
+    assert stopped.returncode == 2
+    assert stopped.stdout.strip().splitlines() == [
+        "error: model.py imports builtin_models, which the template moved to ddpkit.models: "
+        "write `from ddpkit.models import ...` at the top of your file (README: Taking template "
+        "updates)"], stopped.stdout
+
+    # The edits docs/updates.md lists, made literally; then the project runs as before.
+    rows = IMPORT_ROW.findall((project / "docs" / "updates.md").read_text())
+    assert {name for name, _, _ in rows} == {"model.py", "data_sources.py", "tasks.py"}
+    for name, old, new in rows:
+        text = (project / name).read_text()
+        assert old in text, f"{name} has no line {old!r}"
+        (project / name).write_text(text.replace(old, new))
+    shown = run([sys.executable, "config.py", "--config", "configs/my_scans.yaml",
+                 "model.aux_head=true"], cwd=project)
+    assert shown.returncode == 0 and "aux_head: true" in shown.stdout, shown.stdout
+    smoked = run(smoke, cwd=project)
+    assert smoked.returncode == 0 and "fast_dev_run ok" in smoked.stdout, smoked.stdout

@@ -22,6 +22,8 @@
 #                   (default 120); see "Signals" below for SIGTERM / SIGUSR1 / SIGHUP
 #   PYTHON          the Python that has the project's packages (default python3); torchrun is
 #                   the one on PATH
+#   DDP_CACHE_DIR   where run.sh keeps torchrun's --help between launches
+#                   (default ~/.cache/ddp-template)
 #
 # Exit status: 0 done, 2 a mistake in the input or the setup (one line says which), 75 preempted
 # (SIGTERM, SIGUSR1 or SIGHUP: a checkpoint was saved, or the workers had not started: run the
@@ -165,9 +167,27 @@ status_file="$launch_tmp/status"
 help_file="$launch_tmp/torchrun-help"
 
 # The flags torchrun has differ between torch versions, and torchrun stops at one it does not
-# know: its --help lists those it has. Reading it costs about an import of torch, so it runs
-# while the preflight checks the command line.
-torchrun --help >"$help_file" 2>&1 &
+# know: its --help lists those it has. Reading it costs an import of torch (seconds of CPU), so
+# it runs while the preflight checks the command line, and is kept per torchrun installation
+# (its path and modification time) for the next launches.
+read_torchrun_help() {
+  local path stamp cache
+  path="$(command -v torchrun || true)"
+  stamp="$(stat -c %Y "$path" 2>/dev/null || true)"
+  cache="${DDP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ddp-template}/torchrun-help-$(printf '%s %s' "$path" "$stamp" | cksum | cut -d ' ' -f 1)"
+  if [[ -n "$stamp" && -s "$cache" ]]; then
+    cp "$cache" "$help_file"
+    return 0
+  fi
+  torchrun --help >"$help_file" 2>&1 || return 1
+  if [[ -n "$stamp" ]] && mkdir -p "${cache%/*}" 2>/dev/null && cp "$help_file" "$cache.$$" 2>/dev/null; then
+    mv -f "$cache.$$" "$cache"  # whole or not at all, whichever launch writes it
+  else
+    rm -f "$cache.$$"
+  fi
+  return 0
+}
+read_torchrun_help &
 help_pid=$!
 
 if [[ -z "${OMP_NUM_THREADS:-}" ]]; then

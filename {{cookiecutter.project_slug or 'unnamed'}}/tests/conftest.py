@@ -98,11 +98,16 @@ def pytest_configure(config):
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         config.inductor_cache = tempfile.mkdtemp(prefix="inductor-")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.inductor_cache
+    # run.sh keeps what it learns of torchrun (its --help) here: for the session, not in ~/.cache.
+    if "DDP_CACHE_DIR" not in os.environ:
+        config.run_sh_cache = tempfile.mkdtemp(prefix="run-sh-cache-")
+        os.environ["DDP_CACHE_DIR"] = config.run_sh_cache
 
 
 def pytest_unconfigure(config):
-    if getattr(config, "inductor_cache", None):
-        shutil.rmtree(config.inductor_cache, ignore_errors=True)
+    for cache in (getattr(config, "inductor_cache", None), getattr(config, "run_sh_cache", None)):
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
 
 
 def processes_of(marker: str) -> list[int]:
