@@ -8,6 +8,7 @@ The template is copied into a git repository of its own (a local path: no networ
 import json
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -134,9 +135,9 @@ def flat_layout_template(root: Path, env: dict) -> Path:
         pytest.skip(f"needs the template's git history (commit {FLAT_LAYOUT})")
     repo = root / "ddp-template"
     repo.mkdir()
-    archive = run(["bash", "-c", f"git -C '{TEMPLATE}' archive {FLAT_LAYOUT} cookiecutter.json "
-                   f"hooks '{SLUG_DIR}' | tar -x -C '{repo}'"], cwd=TEMPLATE)
-    assert archive.returncode == 0, archive.stdout
+    archive = subprocess.run(["git", "archive", FLAT_LAYOUT, "cookiecutter.json", "hooks",
+                              SLUG_DIR], cwd=TEMPLATE, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(repo)], input=archive, check=True)
     call(["git", "init", "-q"], repo, env)
     commit(repo, "The template, flat", env)
     return repo
