@@ -65,9 +65,15 @@ def torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
             f"--nproc_per_node={nproc}", script, *args]
 
 
-def run_measured(command: list[str], cwd: Path, log: Path, nproc: int = 2) -> tuple[float, float]:
-    """Run a command to its end; returns its launch time (unix) and the peak resident memory
-    (MiB) of the largest process in its tree (wait4 reports the whole reaped tree)."""
+class RunFailed(Exception):
+    """A contender's run ended before its last epoch was recorded."""
+
+
+def run_measured(command: list[str], cwd: Path, log: Path,
+                 nproc: int = 2) -> tuple[float, float, int]:
+    """Run a command to its end; returns its launch time (unix), the peak resident memory (MiB)
+    of the largest process in its tree (wait4 reports the whole reaped tree) and its exit
+    status. A failed run's log is kept in the temp folder (the bench's own goes at its end)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
            "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
@@ -78,12 +84,19 @@ def run_measured(command: list[str], cwd: Path, log: Path, nproc: int = 2) -> tu
         process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
         kept = Path(tempfile.gettempdir()) / f"bench-failed-{log.name}"
-        shutil.copyfile(log, kept)  # the run's folder goes with the bench's temporary folder
-        tail = "\n".join(log.read_text().splitlines()[-30:])
-        raise SystemExit(f"{tail}\nerror: {' '.join(command)} failed (exit status "
-                         f"{process.returncode}); the end of its output is above, all of it in "
-                         f"{kept}")
-    return launched, usage.ru_maxrss / 1024
+        shutil.copyfile(log, kept)
+        print(f"  {' '.join(command)} ended with exit status {process.returncode}; its output: "
+              f"{kept}", flush=True)
+    return launched, usage.ru_maxrss / 1024, process.returncode
+
+
+def complete(epochs: list, workload: dict, status: int, log: Path) -> None:
+    """A run that recorded every epoch counts even if it failed at its teardown (a peer's
+    `terminate called without an active exception` after the last epoch); one that did not
+    raises RunFailed (the round retries it)."""
+    if len(epochs) < workload["epochs"]:
+        raise RunFailed(f"{log.name}: {len(epochs)} of {workload['epochs']} epochs, exit "
+                        f"status {status}")
 
 
 def json_lines(path: Path) -> list[dict]:
@@ -95,12 +108,12 @@ def json_lines(path: Path) -> list[dict]:
 
 
 def summarise(epoch_seconds: list[float], step_seconds: list[float], first_step: float,
-              launched: float, rss: float, loss: float) -> dict:
+              launched: float, rss: float, loss: float, status: int) -> dict:
     """A run's numbers; the first epoch (start-up, warm-up) is left out of the medians."""
     return {"seconds_per_epoch": statistics.median(epoch_seconds[1:]),
             "seconds_per_step": statistics.median(step_seconds[1:]),
             "time_to_first_step": first_step - launched, "peak_rss_mib": rss,
-            "final_loss": loss, "epoch_seconds": epoch_seconds}
+            "final_loss": loss, "epoch_seconds": epoch_seconds, "exit_status": status}
 
 
 def run_template(project: Path, workload: dict, scratch: Path, tag: str) -> dict:
@@ -108,15 +121,16 @@ def run_template(project: Path, workload: dict, scratch: Path, tag: str) -> dict
     command = torchrun("train.py", f"run.dir={run_dir}", f"train.epochs={workload['epochs']}",
                        "train.progress_bar=false", *workload["overrides"],
                        nproc=workload["nproc"])
-    launched, rss = run_measured(command, project, scratch / f"template-{tag}.log",
-                                 workload["nproc"])
-    epochs = json_lines(run_dir / "metrics.jsonl")
+    log = scratch / f"template-{tag}.log"
+    launched, rss, status = run_measured(command, project, log, workload["nproc"])
+    epochs = json_lines(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    complete(epochs, workload, status, log)
     first = json_lines(run_dir / "train_log.jsonl")[0]
     assert first["step"] == 1, first
     steps = [b["step"] - a["step"] for a, b in zip([{"step": 0}, *epochs], epochs, strict=False)]
     return summarise([e["epoch_seconds"] for e in epochs],
                      [e["train_seconds"] / n for e, n in zip(epochs, steps, strict=True)],
-                     first["time"], launched, rss, epochs[-1]["train_loss"])
+                     first["time"], launched, rss, epochs[-1]["train_loss"], status)
 
 
 def run_script(name: str, script: Path, workload_name: str, workload: dict, scratch: Path,
@@ -125,13 +139,14 @@ def run_script(name: str, script: Path, workload_name: str, workload: dict, scra
     flags = ["--matched"] if workload.get("matched") else []
     command = torchrun(str(script), "--workload", workload_name.split("-")[0], "--epochs",
                        str(workload["epochs"]), *flags, nproc=workload["nproc"])
-    launched, rss = run_measured(command, BENCH, log, workload["nproc"])
+    launched, rss, status = run_measured(command, BENCH, log, workload["nproc"])
     records = json_lines(log)
     epochs = [r for r in records if "epoch" in r]
+    complete(epochs, workload, status, log)
     first = next(r["first_step"] for r in records if "first_step" in r)
     return summarise([e["seconds"] for e in epochs],
                      [e.get("train_seconds", e["seconds"]) / e.get("steps", 1) for e in epochs],
-                     first, launched, rss, epochs[-1]["loss"])
+                     first, launched, rss, epochs[-1]["loss"], status)
 
 
 def pairwise(runs: dict, key: str) -> dict:
@@ -186,16 +201,40 @@ def contenders_for(name: str, workload: dict, project: Path, scratch: Path) -> d
     return todo
 
 
+TRIES = 3  # a run that stops before its last epoch is run again, up to this many times
+
+
 def run_rounds(name: str, todo: dict, pairs: int) -> dict:
     """Round 0 warms caches up and is not measured; then the contenders alternate per round."""
     runs = {contender: [] for contender in todo}
     for round_index in range(pairs + 1):
         for contender, run in todo.items():
-            print(f"{name:>10} round {round_index}/{pairs} {contender} ...", flush=True)
-            result = run(f"{name}-{round_index}")
+            for attempt in range(1, TRIES + 1):
+                print(f"{name:>10} round {round_index}/{pairs} {contender} ...", flush=True)
+                try:
+                    result = run(f"{name}-{round_index}-{attempt}")
+                    break
+                except RunFailed as failed:
+                    if attempt == TRIES:
+                        raise SystemExit(f"error: {contender} failed {TRIES} times: {failed}") from None
+                    print(f"  {failed}: running it again", flush=True)
+            result["attempts"] = attempt
             if round_index:
                 runs[contender].append(result)
     return runs
+
+
+def irregular_runs(runs: dict) -> list[str]:
+    """The measured runs that were retried or ended with an error after their last epoch."""
+    notes = []
+    for workload, by_contender in runs.items():
+        for contender, measured in by_contender.items():
+            for index, run in enumerate(measured, start=1):
+                if run["attempts"] > 1 or run["exit_status"]:
+                    notes.append(f"{workload} round {index} {contender}: attempt "
+                                 f"{run['attempts']}, exit status {run['exit_status']} (every "
+                                 "epoch recorded)")
+    return notes
 
 
 def main(argv: list[str]) -> int:
@@ -231,6 +270,9 @@ def main(argv: list[str]) -> int:
                "python": platform.python_version(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d")}
     markdown = table(results, ratios)
+    notes = irregular_runs(runs)
+    if notes:
+        markdown += "\n\nRetried or failed at teardown:\n" + "\n".join(f"- {n}" for n in notes)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
         {"machine": machine, "pairs": args.pairs,
