@@ -170,24 +170,15 @@ help_file="$launch_tmp/torchrun-help"
 # know: its --help lists those it has. Reading it costs an import of torch (seconds of CPU), so
 # it runs while the preflight checks the command line, and is kept per torchrun installation
 # (its path and modification time) for the next launches.
-read_torchrun_help() {
-  local path stamp cache
-  path="$(command -v torchrun || true)"
-  stamp="$(stat -c %Y "$path" 2>/dev/null || true)"
-  cache="${DDP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ddp-template}/torchrun-help-$(printf '%s %s' "$path" "$stamp" | cksum | cut -d ' ' -f 1)"
-  if [[ -n "$stamp" && -s "$cache" ]]; then
-    cp "$cache" "$help_file"
-    return 0
-  fi
-  torchrun --help >"$help_file" 2>&1 || return 1
-  if [[ -n "$stamp" ]] && mkdir -p "${cache%/*}" 2>/dev/null && cp "$help_file" "$cache.$$" 2>/dev/null; then
-    mv -f "$cache.$$" "$cache"  # whole or not at all, whichever launch writes it
-  else
-    rm -f "$cache.$$"
-  fi
-  return 0
-}
-read_torchrun_help &
+torchrun_path="$(command -v torchrun || true)"
+torchrun_stamp="$(stat -c %Y "$torchrun_path" 2>/dev/null || true)"
+help_cache="${DDP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ddp-template}/torchrun-help-$(printf '%s %s' "$torchrun_path" "$torchrun_stamp" | cksum | cut -d ' ' -f 1)"
+if [[ -n "$torchrun_stamp" && -s "$help_cache" ]]; then
+  help_file="$help_cache"  # read where it is kept: nothing to write
+  true &
+else
+  torchrun --help >"$help_file" 2>&1 &
+fi
 help_pid=$!
 
 if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
@@ -226,6 +217,12 @@ export RUN_SH_STATUS_FILE="$status_file"
 if ! wait "$help_pid"; then
   echo "error: torchrun --help failed, so torchrun would too: $(tail -n 1 "$help_file")" >&2
   exit 2
+fi
+if [[ -n "$torchrun_stamp" && "$help_file" != "$help_cache" ]] \
+    && mkdir -p "${help_cache%/*}" 2>/dev/null && cp "$help_file" "$help_cache.$$" 2>/dev/null; then
+  mv -f "$help_cache.$$" "$help_cache"  # whole or not at all, whichever launch writes it
+else
+  rm -f "$help_cache.$$"
 fi
 torchrun_has() {  # whether torchrun's --help lists this flag
   grep -qE -- "(^|[[ ])$1([] =,]|$)" "$help_file"

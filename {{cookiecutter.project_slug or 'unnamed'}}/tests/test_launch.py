@@ -200,11 +200,11 @@ def processes_in_group(group: int) -> list[str]:
 
 
 def python_wrapper(folder, when_preflight: str) -> str:
-    """A PYTHON for run.sh that runs `when_preflight` instead of preflight.py (a known wait
+    """A PYTHON for run.sh that runs `when_preflight` instead of the preflight (a known wait
     before any worker exists), and the real Python otherwise."""
     folder.mkdir()
     wrapper = folder / "python"
-    wrapper.write_text(f'#!/bin/sh\nif [ "$1" = preflight.py ]; then {when_preflight}; fi\n'
+    wrapper.write_text(f'#!/bin/sh\nif [ "$2" = ddpkit.preflight ]; then {when_preflight}; fi\n'
                        f'exec "{sys.executable}" "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
