@@ -26,7 +26,8 @@ def fit_default_batch(world: int) -> None:
 
 fit_default_batch(processes)
 if "{{ cookiecutter.scheduler }}" != "slurm":
-    (project / "slurm.sbatch").unlink()  # files that do not apply are not generated
+    for name in ("slurm.sbatch", "cluster.sh"):
+        (project / name).unlink()  # files that do not apply are not generated
 for script in ("run.sh", "slurm.sbatch"):
     path = project / script
     if path.exists():

@@ -15,10 +15,16 @@ ANSWERS = {
     "gpus_per_node": {{ cookiecutter.gpus_per_node | string | tojson }},
     "num_nodes": {{ cookiecutter.num_nodes | string | tojson }},
     "scheduler": {{ cookiecutter.scheduler | string | tojson }},
+    "slurm_partition": {{ cookiecutter.slurm_partition | string | tojson }},
+    "slurm_account": {{ cookiecutter.slurm_account | string | tojson }},
+    "slurm_time": {{ cookiecutter.slurm_time | string | tojson }},
 }
 MAX_GPUS_PER_NODE = 1024
 MAX_NODES = 4096
 SCHEDULERS = ("none", "slurm")
+SLURM_NAME = r"[A-Za-z0-9_.-]+"
+# sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS.
+SLURM_TIME = r"[0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}"
 
 
 def problems(answers: dict) -> list[str]:
@@ -48,6 +54,28 @@ def problems(answers: dict) -> list[str]:
     if answers["scheduler"] not in SCHEDULERS:
         found.append(
             f"scheduler {answers['scheduler']!r} is not valid: choose one of {', '.join(SCHEDULERS)}"
+        )
+    return found + slurm_problems(answers)
+
+
+def slurm_problems(answers: dict) -> list[str]:
+    """The #SBATCH lines' answers: names SLURM accepts (empty: the cluster's default) and a time."""
+    found = []
+    partition, account = answers["slurm_partition"], answers["slurm_account"]
+    if partition and not re.fullmatch(rf"{SLURM_NAME}(,{SLURM_NAME})*", partition):
+        found.append(
+            f"slurm_partition {partition!r} is not valid: use letters, digits, _ . - (several "
+            "partitions separated by commas), e.g. gpu or gpu,gpu-long; empty for the default"
+        )
+    if account and not re.fullmatch(SLURM_NAME, account):
+        found.append(
+            f"slurm_account {account!r} is not valid: use letters, digits, _ . -, e.g. "
+            "proj-1234; empty for your default account"
+        )
+    if not re.fullmatch(SLURM_TIME, answers["slurm_time"]):
+        found.append(
+            f"slurm_time {answers['slurm_time']!r} is not valid: give minutes, HH:MM:SS or "
+            "D-HH:MM:SS (also MM:SS, D-HH, D-HH:MM), e.g. 24:00:00 or 2-00:00:00"
         )
     return found
 

@@ -64,6 +64,10 @@ def test_bake_renders_everything(cookies, answers):
     assert answers.get("project_name", "My DDP Experiment") in (project / "README.md").read_text()
 
 
+# The #SBATCH lines the slurm_* answers write.
+SLURM_CHOICES = ("#SBATCH --partition", "#SBATCH --account", "#SBATCH --time")
+
+
 def shellcheck(*paths):
     return run([Path(sys.executable).parent / "shellcheck", *paths], cwd=TEMPLATE, timeout=60)
 
@@ -76,10 +80,12 @@ def test_slurm_bake_asks_for_the_nodes_and_gpus_and_passes_shellcheck(cookies):
     sbatch = (project / "slurm.sbatch").read_text()
     assert "#SBATCH --nodes=4\n" in sbatch and "#SBATCH --gpus-per-node=8\n" in sbatch
     assert "#SBATCH --ntasks-per-node=1\n" in sbatch
+    assert "#SBATCH --time=24:00:00\n" in sbatch  # no partition or account: the defaults
+    assert "--partition" not in sbatch and "--account" not in sbatch
     assert 'nnodes="${NNODES:-4}"' in (project / "run.sh").read_text()
     assert os.stat(project / "slurm.sbatch").st_mode & stat.S_IXUSR
     assert unrendered_files(project) == []
-    checked = shellcheck(project / "run.sh", project / "slurm.sbatch")
+    checked = shellcheck(project / "run.sh", project / "slurm.sbatch", project / "cluster.sh")
     assert checked.returncode == 0, checked.stdout
     # A sweep's SLURM job array, as sweep.py writes it (--dry-run: written, not submitted).
     written = run([sys.executable, "sweep.py", "--slurm", "--dry-run", "--name", "lr", "--nproc",
@@ -92,9 +98,25 @@ def test_slurm_bake_asks_for_the_nodes_and_gpus_and_passes_shellcheck(cookies):
     assert checked.returncode == 0, checked.stdout
 
 
+@pytest.mark.parametrize(
+    ("answers", "lines"),
+    [({"slurm_partition": "gpu", "slurm_account": "proj-1234", "slurm_time": "2-00:00:00"},
+      ["#SBATCH --partition=gpu", "#SBATCH --account=proj-1234", "#SBATCH --time=2-00:00:00"]),
+     ({"slurm_partition": "gpu,gpu-long", "slurm_time": "90"},
+      ["#SBATCH --partition=gpu,gpu-long", "#SBATCH --time=90"])],
+    ids=["all-three", "partitions-and-minutes"],
+)
+def test_slurm_answers_become_sbatch_lines(cookies, answers, lines):
+    result = cookies.bake(extra_context={"scheduler": "slurm", **answers})
+    assert result.exit_code == 0, result.exception
+    sbatch = (result.project_path / "slurm.sbatch").read_text().splitlines()
+    assert [line for line in sbatch if line.startswith(SLURM_CHOICES)] == lines
+
+
 def test_default_bake_has_no_slurm_file_and_a_clean_run_sh(cookies):
     project = cookies.bake().project_path
-    assert not (project / "slurm.sbatch").exists()  # files that do not apply are not generated
+    for name in ("slurm.sbatch", "cluster.sh"):
+        assert not (project / name).exists()  # files that do not apply are not generated
     checked = shellcheck(project / "run.sh")
     assert checked.returncode == 0, checked.stdout
 

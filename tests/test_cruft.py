@@ -193,3 +193,33 @@ def test_a_project_baked_before_the_engine_moved_takes_the_move_with_cruft_updat
     assert shown.returncode == 0 and "aux_head: true" in shown.stdout, shown.stdout
     smoked = run(smoke, cwd=project)
     assert smoked.returncode == 0 and "fast_dev_run ok" in smoked.stdout, smoked.stdout
+
+
+def test_a_slurm_answer_changes_with_cruft_update_and_cluster_sh_stays_the_users(tmp_path, tools):
+    """docs/launch-and-clusters.md: a partition chosen after the bake, by updating the answer;
+    cluster.sh is skipped by updates (pyproject.toml), whatever the template's version says."""
+    template = template_repo(tmp_path, tools)
+    call([CRUFT, "create", template, "--no-input", "--output-dir", tmp_path / "out",
+          "--extra-context", '{"scheduler": "slurm"}'], tmp_path, tools)
+    project = tmp_path / "out" / "my_ddp_experiment"
+    assert "--partition" not in (project / "slurm.sbatch").read_text()
+    call(["git", "init", "-q"], project, tools)
+    commit(project, "Baked from the template", tools)
+    with open(project / "cluster.sh", "a") as handle:
+        handle.write("module load cuda/12.4\n")
+    mine = (project / "cluster.sh").read_text()
+    commit(project, "My cluster", tools)
+    with open(template / SLUG_DIR / "cluster.sh", "a") as handle:  # where the user appended
+        handle.write(STUB_CHANGE)
+    commit(template, "A later cluster.sh", tools)
+
+    updated = call([CRUFT, "update", "-y", "--variables-to-update",
+                    '{"slurm_partition": "gpu", "slurm_time": "2-00:00:00"}'], project, tools)
+    assert conflicts(project) == [], updated.stdout
+    sbatch = (project / "slurm.sbatch").read_text()
+    assert "#SBATCH --partition=gpu\n" in sbatch and "#SBATCH --time=2-00:00:00\n" in sbatch
+    assert (project / "cluster.sh").read_text() == mine
+    answers = json.loads((project / ".cruft.json").read_text())["context"]["cookiecutter"]
+    assert (answers["slurm_partition"], answers["slurm_time"]) == ("gpu", "2-00:00:00")
+    status = call(["git", "status", "--porcelain"], project, tools).stdout.splitlines()
+    assert sorted(line[3:] for line in status) == [".cruft.json", "slurm.sbatch"], status

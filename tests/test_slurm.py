@@ -27,6 +27,9 @@ ARGS = ["data.dataset=tests/fixtures.py:vectors", "model.name=tests/fixtures.py:
         "optim.warmup_steps=5", "optim.lr=0.01", "train.progress_bar=false"]
 
 
+ACTIVATED = "cluster.sh activated .venv on node "
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -88,6 +91,9 @@ def test_sbatch_preempted_requeues_itself_and_finishes_as_if_uninterrupted(
     baked = cookies.bake(extra_context={"scheduler": "slurm"})
     assert baked.exit_code == 0, baked.exception
     project = baked.project_path
+    # cluster.sh as baked activates the project's .venv on the node: a stand-in that says so.
+    (project / ".venv" / "bin").mkdir(parents=True)
+    (project / ".venv" / "bin" / "activate").write_text(f'echo "{ACTIVATED}$SLURM_NODEID"\n')
     reference = run(["./run.sh", *ARGS, f"run.dir={tmp_path / 'reference'}"], cwd=project,
                     NPROC_PER_NODE="2")
     assert reference.returncode == 0, reference.stdout
@@ -115,6 +121,7 @@ def test_sbatch_preempted_requeues_itself_and_finishes_as_if_uninterrupted(
     run_dir = next((tmp_path / "runs").iterdir())
     assert f"resumed from {run_dir}/checkpoints/step-{int(saved[1]):08d}:" in output, output
     assert "Traceback" not in output, output
+    assert output.count(f"{ACTIVATED}0") == 2, output  # in the srun step of both runs
 
     resumed, expected = final_weights(run_dir), final_weights(tmp_path / "reference")
     assert resumed.keys() == expected.keys()
@@ -156,3 +163,26 @@ def test_a_sweep_runs_as_a_job_array_and_its_summary_ranks_the_trials(cluster, c
                  "--nproc", "1", "--cpus-per-task", "2", "optim.lr=0.01,0.03", *short],
                 cwd=project, timeout=120, **cluster)
     assert again.returncode == 0 and "every trial finished" in again.stdout, again.stdout
+
+
+def test_a_failing_cluster_sh_stops_the_job_in_one_line(cluster, cookies):
+    baked = cookies.bake(extra_context={"scheduler": "slurm"})
+    assert baked.exit_code == 0, baked.exception
+    project = baked.project_path
+    with open(project / "cluster.sh", "a") as handle:
+        handle.write("source /no/such/env/bin/activate\necho 'not reached'\n")
+    env = command_env(**cluster)
+    submitted = subprocess.run(["sbatch", "--parsable", "slurm.sbatch"], cwd=project, env=env,
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               timeout=60, check=False)
+    assert submitted.returncode == 0, submitted.stdout
+    job = submitted.stdout.strip().split(";")[0]
+    wait(lambda: job_state(job, env).get("JobState") == "FAILED", "the job to fail", 120, job,
+         env, project)
+    assert job_state(job, env)["ExitCode"] == "2:0"  # a mistake in the setup: not requeued
+    output = (project / f"slurm-{job}.out").read_text()
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(
+        r"error: cluster.sh failed on \S+ \(status 1\): fix it and submit again",
+        errors[0]), output
+    assert "not reached" not in output and "requeueing" not in output, output
