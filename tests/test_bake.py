@@ -176,6 +176,16 @@ def printed_commands(stdout: str) -> list[list[str]]:
             if "./run.sh" in line.split("#")[0]]
 
 
+def test_a_one_node_bake_of_three_gpus_prints_run_sh_first(tmp_path):
+    result = run([sys.executable, "-m", "cookiecutter", TEMPLATE, "--no-input", "--output-dir",
+                  tmp_path, "gpus_per_node=3"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stdout
+    assert printed_commands(result.stdout)[0] == ["./run.sh"]
+    project = tmp_path / "my_ddp_experiment"
+    assert 'nproc_per_node="${NPROC_PER_NODE:-3}"' in (project / "run.sh").read_text()
+    assert "global_batch_size: 66\n" in (project / "configs" / "default.yaml").read_text()
+
+
 def test_a_bake_for_two_nodes_says_how_to_start_on_one_machine(tmp_path):
     result = run([sys.executable, "-m", "cookiecutter", TEMPLATE, "--no-input", "--output-dir",
                   tmp_path, "gpus_per_node=3", "num_nodes=2"], cwd=tmp_path, timeout=120)
@@ -194,12 +204,12 @@ def test_a_bake_for_two_nodes_says_how_to_start_on_one_machine(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("answers", "env", "processes", "batch"),
-    [({"gpus_per_node": "3"}, {}, 3, 66),
-     # The printed first command of a 2-node bake runs this machine's 3 processes of the job.
-     ({"gpus_per_node": "3", "num_nodes": "2"}, {}, 3, 66),
+    # The printed first command of a 2-node bake runs this machine's 3 processes of the job: the
+    # same run.sh and config as a 1-node bake of 3 GPUs (test_a_one_node_bake_of_three_gpus_...).
+    [({"gpus_per_node": "3", "num_nodes": "2"}, {}, 3, 66),
      # Two nodes of three run as six processes on this one machine.
      ({"gpus_per_node": "3", "num_nodes": "2"}, {"NPROC_PER_NODE": "6"}, 6, 66)],
-    ids=["3-gpus", "3-gpus-2-nodes", "3-gpus-2-nodes-as-6-processes"],
+    ids=["3-gpus-2-nodes", "3-gpus-2-nodes-as-6-processes"],
 )
 def test_bake_trains_with_its_defaults_as_printed(tmp_path, answers, env, processes, batch):
     result = run([sys.executable, "-m", "cookiecutter", TEMPLATE, "--no-input", "--output-dir",

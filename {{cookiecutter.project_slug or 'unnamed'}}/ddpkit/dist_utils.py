@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import datetime
 import errno
+import faulthandler
 import json
 import logging
 import multiprocessing.util
@@ -387,7 +388,11 @@ _WATCHDOG: "Watchdog | None" = None  # this rank's, where there is a process gro
 
 
 class Watchdog(threading.Thread):
-    """Supervisor's stall detector (see there); a daemon thread per rank."""
+    """Supervisor's stall detector (see there); a daemon thread per rank.
+
+    Not faulthandler.dump_traceback_later, the process group's timeout or the flight recorder
+    alone: they dump every rank's stack alike (waiting ranks included), gloo's timeout names no
+    peer, and the flight recorder is NCCL's; none says which rank did not arrive, in one line."""
 
     def __init__(self, supervisor: Supervisor, timeout_s: float):
         super().__init__(name="stall-watchdog", daemon=True)
@@ -570,7 +575,9 @@ if os.environ.get("RUN_SH_STATUS_FILE"):
 
 def run_main(main: Callable[[list[str]], None]) -> None:
     """Run an entry point: a UserError prints once and exits 2; any other error prints its
-    traceback once, from the rank it happened on, and exits 1; the group is always left."""
+    traceback once, from the rank it happened on, and exits 1; the group is always left. A
+    crash in native code (segmentation fault, abort) prints every thread's Python stack."""
+    faulthandler.enable()
     handle_signals()
     try:
         main(sys.argv[1:])

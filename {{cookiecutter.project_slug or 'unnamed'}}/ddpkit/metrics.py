@@ -24,8 +24,15 @@ that keep its shape, for JSON, plots and TensorBoard.
 import warnings
 
 import numpy as np
-import sklearn.metrics
 import torch
+
+
+def _sklearn_metrics():
+    """scikit-learn's metrics, imported on first use: the import costs about 1.5 s of CPU, which
+    every process would otherwise pay at start-up, also in runs that never draw a curve."""
+    import sklearn.metrics
+    return sklearn.metrics
+
 
 _F1_TIE = 1e-13  # F1 values closer than this are ties (float noise of 2pr / (p + r))
 
@@ -80,7 +87,7 @@ def precision_recall_curve(scores: torch.Tensor, positive: torch.Tensor
     truth, values = _numpy(_as_bool(positive), scores.double())
     with warnings.catch_warnings():  # no positive: recall set to 1, said by a warning
         warnings.simplefilter("ignore")
-        return _tensors(*sklearn.metrics.precision_recall_curve(truth, values))
+        return _tensors(*_sklearn_metrics().precision_recall_curve(truth, values))
 
 
 def average_precision(precision: torch.Tensor, recall: torch.Tensor) -> float:
@@ -214,7 +221,7 @@ def roc_curve(scores: torch.Tensor, positive: torch.Tensor
     truth, values = _numpy(_as_bool(positive), scores.double())
     with warnings.catch_warnings():  # a class absent: its rate is nan, said by a warning
         warnings.simplefilter("ignore")
-        return _tensors(*sklearn.metrics.roc_curve(truth, values, drop_intermediate=False))
+        return _tensors(*_sklearn_metrics().roc_curve(truth, values, drop_intermediate=False))
 
 
 def roc_auc(fpr: torch.Tensor, tpr: torch.Tensor) -> float:
@@ -222,7 +229,7 @@ def roc_auc(fpr: torch.Tensor, tpr: torch.Tensor) -> float:
     has no positives or no negatives (the rates are then nan; roc_auc_score raises)."""
     if len(fpr) < 2 or torch.isnan(fpr).any() or torch.isnan(tpr).any():
         return float("nan")
-    return float(sklearn.metrics.auc(*_numpy(fpr, tpr)))
+    return float(_sklearn_metrics().auc(*_numpy(fpr, tpr)))
 
 
 def counts_at_threshold(scores: torch.Tensor, positive: torch.Tensor, threshold: float) -> dict:
@@ -232,7 +239,7 @@ def counts_at_threshold(scores: torch.Tensor, positive: torch.Tensor, threshold:
     scikit-learn's zero_division=0: a ratio whose denominator is 0 is 0 (accuracy of nothing too).
     """
     truth, predicted = _numpy(_as_bool(positive), scores >= threshold)
-    tn, fp, fn, tp = (int(n) for n in sklearn.metrics.confusion_matrix(
+    tn, fp, fn, tp = (int(n) for n in _sklearn_metrics().confusion_matrix(
         truth, predicted, labels=[False, True]).ravel())
     return _scores_from_counts(tp, fp, fn, tn)
 
