@@ -7,31 +7,24 @@
     python sweep.py --optuna 20 optim.lr=loguniform(1e-4,1e-2) model.hidden_dim=128,256
 
 An override with a comma (or a range, for --random) is swept; one without is set in every
-trial. Optuna's samplers draw the trials: GridSampler the whole grid, in an order shuffled by
---seed (the first trials already spread over the grid, so a sweep cut short still covers it),
-RandomSampler the --random draws (distinct while the space has that many). The plan is drawn
-once and kept in sweep.json. Each trial runs `./run.sh <its overrides> run.dir=<sweep>/trial-NNN`
-with --nproc processes (default: $NPROC_PER_NODE, else 1), so it is an ordinary run folder:
-resumable, evaluable, tracked like any other.
+trial. Optuna's samplers draw the plan once, kept in sweep.json: GridSampler the whole grid in
+an order shuffled by --seed (so that the first trials already spread over it), RandomSampler the
+--random draws. With --optuna N, TPE picks each trial when a slot is free instead, hears every
+epoch's headline validation value and prunes a trial below the median of the earlier ones at
+that epoch (it gets SIGTERM, saves a checkpoint and leaves); the study is <sweep>/optuna.db.
 
-On one machine the trials are packed onto the GPUs: a trial of k processes gets k GPUs of its
-own through CUDA_VISIBLE_DEVICES, and as many trials run at once as there are GPUs for them.
-Without GPUs, one trial runs at a time. With --slurm the trials become one job array
-(<sweep>/array.sbatch) whose elements each run slurm.sbatch on one node.
+Each trial runs `./run.sh <its overrides> run.dir=<sweep>/trial-NNN` with --nproc processes
+(default: $NPROC_PER_NODE, else 1): an ordinary run folder, resumable, evaluable, tracked. Here
+the trials are packed onto the GPUs (k GPUs of its own for a trial of k processes, one trial at
+a time without GPUs); with --slurm they are a job array (<sweep>/array.sbatch) whose elements
+each run slurm.sbatch on one node.
 
-The sweep folder (default runs/sweeps/<name>) holds sweep.json (the plan), the trials' run
-folders, logs/trial-NNN.log (each trial's output) and, when every trial has ended, summary.csv
-and summary.md (trials ranked by the task's headline validation metric) and summary.png (that
-metric against each swept setting). Running the same command again (same --name) reruns only
-the trials that did not finish: the failed ones, and those a crash or preemption cut short
-(they continue from their checkpoints). A failing trial is reported with its one-line error;
-the others go on. The exit status is 0 when every trial finished, 1 otherwise.
-
-With --optuna N, Optuna (TPE, study in <sweep>/optuna.db) picks each trial's settings from the
-lists and ranges when a slot is free, hears every epoch's headline validation value, and stops
-a trial whose value falls below the median of earlier trials at the same epoch (median pruning:
-the trial gets SIGTERM, saves a checkpoint and leaves). Rerunning continues the study up to N
-trials. Its trials run the way the grid's do (run_trials).
+The sweep folder (default runs/sweeps/<name>) holds sweep.json, the trials' run folders,
+logs/trial-NNN.log and, when every trial has ended, summary.csv and summary.md (trials ranked by
+the task's headline validation metric) and summary.png (that metric against each swept setting).
+The same command again (same --name) reruns only the trials that did not finish (from their
+checkpoints), or continues the study up to N trials. A failing trial is reported with its
+one-line error; the others go on. The exit status is 0 when every trial finished, 1 otherwise.
 """
 
 import argparse
@@ -232,22 +225,6 @@ def visible_devices() -> list[str]:
     return [str(i) for i in range(visible_gpus())]
 
 
-class DevicePool:
-    """GPUs handed out in blocks of k, each GPU to one trial at a time."""
-
-    def __init__(self, devices: list[str]):
-        self.free = list(devices)
-
-    def take(self, count: int) -> list[str] | None:
-        if len(self.free) < count:
-            return None
-        taken, self.free = self.free[:count], self.free[count:]
-        return taken
-
-    def give(self, devices: list[str]) -> None:
-        self.free.extend(devices)
-
-
 def run_packed(trials, nproc: int, devices: list[str], start, wait_step=None,
                max_parallel: int = 0, watch=None, ended=None) -> dict[int, int]:
     """Run trials, as many at once as the devices allow (one at a time with none).
@@ -262,15 +239,12 @@ def run_packed(trials, nproc: int, devices: list[str], start, wait_step=None,
                         f"are visible: use --nproc {len(devices)} or fewer")
     if isinstance(trials, list):
         trials = functools.partial(next, iter(list(trials)), None)
-    pool, running, statuses = DevicePool(devices), {}, {}
+    free, running, statuses = list(devices), {}, {}  # each GPU to one trial at a time
+    need = nproc if devices else 0
     limit = max_parallel or (len(devices) // nproc if devices else 1)
     while True:
-        while len(running) < limit:
-            block = pool.take(nproc) if devices else []
-            index = trials() if block is not None else None
-            if index is None:
-                pool.give(block or [])
-                break
+        while len(running) < limit and len(free) >= need and (index := trials()) is not None:
+            block, free = free[:need], free[need:]
             running[index] = (start(index, block), block)
         if not running:
             return statuses
@@ -280,7 +254,7 @@ def run_packed(trials, nproc: int, devices: list[str], start, wait_step=None,
                 watch(index, process)
             if (status := process.poll()) is not None:
                 statuses[index] = status
-                pool.give(block)
+                free += block
                 del running[index]
                 if ended:
                     ended(index, status)
@@ -408,10 +382,9 @@ def run_local(sweep: Sweep, devices: list[str], max_parallel: int) -> dict[int, 
 # Not submitit: its pickled launch and its own requeue would stand beside slurm.sbatch's (exit
 # 75, scontrol requeue) and cluster.sh's environment; each element runs slurm.sbatch instead.
 ARRAY_HEAD = """#!/usr/bin/env bash
-# Job array of sweep {name}: element N runs trial N through ./slurm.sbatch on one node, which
-# sources cluster.sh there and requeues the element when it is preempted. Written by
-# `python sweep.py --slurm`; rerunning that command resubmits only the trials that did not
-# finish. The #SBATCH lines are slurm.sbatch's (partition, account, time, ...), then the sweep's.
+# Job array of sweep {name}, written by `python sweep.py --slurm` (which resubmits the trials that
+# did not finish): slurm.sbatch's #SBATCH lines, then the sweep's; element N runs trial N through
+# slurm.sbatch on one node (cluster.sh sets the node up; a preempted element requeues itself).
 """
 SBATCH_OPTION = re.compile(r"#SBATCH\s+(--[\w-]+)")
 
