@@ -120,12 +120,20 @@ def _suggest(trial, key: str, spec) -> str:
     return f"{trial.suggest_float(key, low, high, log=kind == 'loguniform'):.4g}"
 
 
+def _count(spec) -> float:
+    """How many settings a swept key has (a float range: unbounded)."""
+    if isinstance(spec, list):
+        return len(spec)
+    kind, low, high = spec
+    return math.floor(high) - math.ceil(low) + 1 if kind == "int" else math.inf
+
+
 def plan_trials(space: dict, random_trials: int = 0, seed: int = 0) -> list[dict]:
     """Each trial's swept settings, in order, drawn by an in-memory Optuna study: the whole grid
     (GridSampler, its order shuffled by `seed`), or `random_trials` draws (RandomSampler),
     distinct while the space has that many."""
     samplers = _optuna().samplers
-    size = math.prod(len(s) if isinstance(s, list) else math.inf for s in space.values())
+    size = math.prod(_count(spec) for spec in space.values())
     sampler = (samplers.RandomSampler(seed=seed) if random_trials
                else samplers.GridSampler(space, seed=seed))
     study = _optuna().create_study(sampler=sampler)
@@ -338,7 +346,8 @@ def report_end(sweep: Sweep, index: int, status: int) -> None:
     the line that says why."""
     if status == 0 and sweep.finished(index):
         history = report.read_run(sweep.run_dir(index))
-        print(f"{trial_id(index)} finished: val_{history.headline} {history.best()}", flush=True)
+        print(f"{trial_id(index)} finished: val_{history.headline} "
+              f"{report._cell(history.best())}", flush=True)
         return
     log_file = sweep.log_file(index)
     print(f"{trial_id(index)} failed (exit {status}): {error_line(log_file)}  [log: {log_file}]",

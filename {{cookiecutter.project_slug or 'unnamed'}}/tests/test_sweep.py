@@ -74,6 +74,9 @@ def test_the_plan_grid_random_and_bad_input():
     draws = sweep.plan_trials(space, random_trials=6, seed=1)
     assert draws == sweep.plan_trials(space, random_trials=6, seed=1)  # the seed fixes them
     assert all(1e-4 <= float(t["optim.lr"]) <= 1e-2 for t in draws)
+    space, _ = sweep.parse_space(["train.epochs=int(1,3)"], random_search=True)
+    draws = [t["train.epochs"] for t in sweep.plan_trials(space, random_trials=5)]
+    assert sorted(draws[:3]) == ["1", "2", "3"] and len(draws) == 5  # distinct while they can be
     for overrides, random_search, message in [
         (["optim.lrr=1,2"], False, "not a config key"),
         (["optim.lr=loguniform(1e-4,1e-2)"], False, "needs --random"),
