@@ -92,8 +92,13 @@ def test_slurm_bake_asks_for_the_nodes_and_gpus_and_passes_shellcheck(cookies):
                    "8", "optim.lr=1e-3,3e-3,1e-2", "train.epochs=5"], cwd=project, timeout=60)
     assert written.returncode == 0, written.stdout
     array = project / "runs" / "sweeps" / "lr" / "array.sbatch"
-    assert "#SBATCH --array=0,1,2\n" in array.read_text()
-    assert "#SBATCH --gpus-per-node=8\n" in array.read_text()
+    lines = array.read_text().splitlines()
+    assert "#SBATCH --array=0,1,2" in lines and "#SBATCH --nodes=1" in lines  # a node per trial
+    assert [line for line in lines if line.startswith("#SBATCH --gpus-per-node")] == [
+        "#SBATCH --gpus-per-node=8"]
+    # The rest of the job is slurm.sbatch's: its settings, its environment and requeue.
+    assert "#SBATCH --time=24:00:00" in lines and "#SBATCH --requeue" in lines
+    assert lines[-1] == 'exec bash ./slurm.sbatch "${trial[@]}"' and "srun" not in array.read_text()
     checked = shellcheck(array)
     assert checked.returncode == 0, checked.stdout
 
@@ -111,6 +116,13 @@ def test_slurm_answers_become_sbatch_lines(cookies, answers, lines):
     assert result.exit_code == 0, result.exception
     sbatch = (result.project_path / "slurm.sbatch").read_text().splitlines()
     assert [line for line in sbatch if line.startswith(SLURM_CHOICES)] == lines
+    # A sweep's job array asks for the same partition, account and time.
+    written = run([sys.executable, "sweep.py", "--slurm", "--dry-run", "--name", "lr",
+                   "optim.lr=1e-3,3e-3"], cwd=result.project_path, timeout=60)
+    assert written.returncode == 0, written.stdout
+    array = result.project_path / "runs" / "sweeps" / "lr" / "array.sbatch"
+    assert [line for line in array.read_text().splitlines()
+            if line.startswith(SLURM_CHOICES)] == lines
 
 
 def test_default_bake_has_no_slurm_file_and_a_clean_run_sh(cookies):
@@ -119,6 +131,14 @@ def test_default_bake_has_no_slurm_file_and_a_clean_run_sh(cookies):
         assert not (project / name).exists()  # files that do not apply are not generated
     checked = shellcheck(project / "run.sh")
     assert checked.returncode == 0, checked.stdout
+    # A sweep's job array runs slurm.sbatch: without it, one line and nothing written.
+    refused = run([sys.executable, "sweep.py", "--slurm", "--dry-run", "optim.lr=1e-3,3e-3"],
+                  cwd=project, timeout=60)
+    assert refused.returncode == 2 and refused.stdout.strip().splitlines() == [
+        "error: --slurm runs each trial through slurm.sbatch, which this project was baked "
+        "without (scheduler=none): bake it with scheduler=slurm, or drop --slurm to run the "
+        "trials on this machine"], refused.stdout
+    assert not (project / "runs").exists()
 
 
 def test_the_baked_code_reads_in_screens(cookies):

@@ -7,43 +7,39 @@
     python sweep.py --optuna 20 optim.lr=loguniform(1e-4,1e-2) model.hidden_dim=128,256
 
 An override with a comma (or a range, for --random) is swept; one without is set in every
-trial. Each trial runs `./run.sh <its overrides> run.dir=<sweep>/trial-NNN` with --nproc
-processes (default: $NPROC_PER_NODE, else 1), so it is an ordinary run folder: resumable,
-evaluable, tracked like any other.
+trial. Optuna's samplers draw the plan once, kept in sweep.json: GridSampler the whole grid in
+an order shuffled by --seed (so that the first trials already spread over it), RandomSampler the
+--random draws. With --optuna N, TPE picks each trial when a slot is free instead, hears every
+epoch's headline validation value and prunes a trial below the median of the earlier ones at
+that epoch (it gets SIGTERM, saves a checkpoint and leaves); the study is <sweep>/optuna.db.
 
-On one machine the trials are packed onto the GPUs: a trial of k processes gets k GPUs of its
-own through CUDA_VISIBLE_DEVICES, and as many trials run at once as there are GPUs for them.
-Without GPUs, one trial runs at a time. With --slurm the trials become one job array
-(<sweep>/array.sbatch), each element a job of its own, requeued after a preemption.
+Each trial runs `./run.sh <its overrides> run.dir=<sweep>/trial-NNN` with --nproc processes
+(default: $NPROC_PER_NODE, else 1): an ordinary run folder, resumable, evaluable, tracked. Here
+the trials are packed onto the GPUs (k GPUs of its own for a trial of k processes, one trial at
+a time without GPUs); with --slurm they are a job array (<sweep>/array.sbatch) whose elements
+each run slurm.sbatch on one node.
 
-The sweep folder (default runs/sweeps/<name>) holds sweep.json (the plan), the trials' run
-folders, logs/trial-NNN.log (each trial's output) and, when every trial has ended, summary.csv
-and summary.md (trials ranked by the task's headline validation metric) and summary.png (that
-metric against each swept setting). Running the same command again (same --name) reruns only
-the trials that did not finish: the failed ones, and those a crash or preemption cut short
-(they continue from their checkpoints). A failing trial is reported with its one-line error;
-the others go on. The exit status is 0 when every trial finished, 1 otherwise.
-
-With --optuna N, Optuna (TPE, study in <sweep>/optuna.db) picks each trial's settings from the
-lists and ranges, hears every epoch's headline validation value, and stops a trial whose value
-falls below the median of earlier trials at the same epoch (median pruning: the trial gets
-SIGTERM, saves a checkpoint and leaves). Rerunning continues the study up to N trials.
+The sweep folder (default runs/sweeps/<name>) holds sweep.json, the trials' run folders,
+logs/trial-NNN.log and, when every trial has ended, summary.csv and summary.md (trials ranked by
+the task's headline validation metric) and summary.png (that metric against each swept setting).
+The same command again (same --name) reruns only the trials that did not finish (from their
+checkpoints), or continues the study up to N trials. A failing trial is reported with its
+one-line error; the others go on. The exit status is 0 when every trial finished, 1 otherwise.
 """
 
 import argparse
 import contextlib
-import itertools
+import functools
 import json
 import math
 import os
-import random
 import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +53,35 @@ LAUNCH_MARK = "### sweep.py started:"  # heads each launch in a trial's log
 RANGE = re.compile(r"^(uniform|loguniform|int)\((.+),(.+)\)$")
 
 
+def _optuna():
+    """optuna, imported on first use: only a sweep pays for its import (a second or so)."""
+    try:
+        import optuna
+    except ModuleNotFoundError:
+        raise UserError("sweeps need the optuna package, one of the project's dependencies: "
+                        "pip install -e . in the project's environment") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
 # --- the plan --------------------------------------------------------------------------------
+
+def _parse_range(item: str, key: str, ranged: re.Match, random_search: bool) -> tuple:
+    """(kind, low, high) of a `key=kind(low,high)` override, checked."""
+    if not random_search:
+        raise UserError(f"{item}: a range needs --random N (a grid takes lists: {key}=a,b,c)")
+    kind, low, high = ranged.groups()
+    try:
+        low_value, high_value = float(low), float(high)
+    except ValueError:
+        raise UserError(f"{item}: the range's ends must be numbers") from None
+    if not low_value < high_value or (kind == "loguniform" and low_value <= 0):
+        raise UserError(f"{item}: needs 0 < low < high for loguniform, low < high otherwise")
+    if kind == "int" and math.ceil(low_value) > math.floor(high_value):
+        raise UserError(f"{item}: {key} has no whole number between {low} and {high}: "
+                        "widen the range")
+    return kind, low_value, high_value
+
 
 def parse_space(overrides: list[str], random_search: bool) -> tuple[dict, list[str]]:
     """{key: [values] or (kind, low, high)} for the swept keys, and the fixed overrides."""
@@ -72,21 +96,7 @@ def parse_space(overrides: list[str], random_search: bool) -> tuple[dict, list[s
             raise UserError(f"{key} is set by the sweep for each trial: drop it (use --out)")
         ranged = RANGE.match(value.replace(" ", ""))
         if ranged:
-            if not random_search:
-                raise UserError(f"{item}: a range needs --random N (a grid takes lists: "
-                                f"{key}=a,b,c)")
-            kind, low, high = ranged.groups()
-            try:
-                low_value, high_value = float(low), float(high)
-            except ValueError:
-                raise UserError(f"{item}: the range's ends must be numbers") from None
-            if not low_value < high_value or (kind == "loguniform" and low_value <= 0):
-                raise UserError(f"{item}: needs 0 < low < high for loguniform, low < high "
-                                "otherwise")
-            if kind == "int" and math.ceil(low_value) > math.floor(high_value):
-                raise UserError(f"{item}: {key} has no whole number between {low} and {high}: "
-                                "widen the range")
-            space[key] = (kind, low_value, high_value)
+            space[key] = _parse_range(item, key, ranged, random_search)
         elif "," in value:
             values = value.split(",")
             if len(set(values)) != len(values) or "" in values:
@@ -100,33 +110,41 @@ def parse_space(overrides: list[str], random_search: bool) -> tuple[dict, list[s
     return space, fixed
 
 
-def _draw(spec, rng: random.Random) -> str:
+def _suggest(trial, key: str, spec) -> str:
+    """The setting an Optuna trial draws for one key, as the override's text."""
     if isinstance(spec, list):
-        return rng.choice(spec)
+        return trial.suggest_categorical(key, spec)
     kind, low, high = spec
     if kind == "int":
-        return str(rng.randint(math.ceil(low), math.floor(high)))
-    if kind == "loguniform":
-        return f"{math.exp(rng.uniform(math.log(low), math.log(high))):.4g}"
-    return f"{rng.uniform(low, high):.4g}"
+        return str(trial.suggest_int(key, math.ceil(low), math.floor(high)))
+    return f"{trial.suggest_float(key, low, high, log=kind == 'loguniform'):.4g}"
+
+
+def _count(spec) -> float:
+    """How many settings a swept key has (a float range: unbounded)."""
+    if isinstance(spec, list):
+        return len(spec)
+    kind, low, high = spec
+    return math.floor(high) - math.ceil(low) + 1 if kind == "int" else math.inf
 
 
 def plan_trials(space: dict, random_trials: int = 0, seed: int = 0) -> list[dict]:
-    """Each trial's swept settings, in order: the whole grid, or `random_trials` draws (distinct
-    while the space has that many)."""
-    keys = list(space)
-    if not random_trials:
-        return [dict(zip(keys, values, strict=True))
-                for values in itertools.product(*(space[key] for key in keys))]
-    rng, trials, seen = random.Random(seed), [], set()
-    size = math.prod(len(s) if isinstance(s, list) else math.inf for s in space.values())
-    while len(trials) < random_trials:
-        trial = {key: _draw(space[key], rng) for key in keys}
-        signature = tuple(trial.values())
-        if signature in seen and len(seen) < size:
+    """Each trial's swept settings, in order, drawn by an in-memory Optuna study: the whole grid
+    (GridSampler, its order shuffled by `seed`), or `random_trials` draws (RandomSampler),
+    distinct while the space has that many."""
+    samplers = _optuna().samplers
+    size = math.prod(_count(spec) for spec in space.values())
+    sampler = (samplers.RandomSampler(seed=seed) if random_trials
+               else samplers.GridSampler(space, seed=seed))
+    study = _optuna().create_study(sampler=sampler)
+    trials, seen = [], set()
+    while len(trials) < (random_trials or size):
+        trial = study.ask()
+        drawn = {key: _suggest(trial, key, spec) for key, spec in space.items()}
+        if tuple(drawn.values()) in seen and len(seen) < size:
             continue
-        seen.add(signature)
-        trials.append(trial)
+        seen.add(tuple(drawn.values()))
+        trials.append(drawn)
     return trials
 
 
@@ -142,6 +160,7 @@ class Sweep:
     nproc: int
     config_file: str = ""
     pruned: list[int] = field(default_factory=list)  # Optuna: trials stopped early on purpose
+    drawn_from: dict = field(default_factory=dict)  # grid / random: the space, --random, --seed
 
     def overrides(self, index: int) -> list[str]:
         args = [f"--config={self.config_file}"] if self.config_file else []
@@ -161,10 +180,15 @@ class Sweep:
         except (OSError, json.JSONDecodeError):
             return False
 
+    def settings(self) -> tuple:
+        """What a rerun must match to continue this sweep."""
+        return self.fixed, self.nproc, self.config_file, self.drawn_from
+
     def save(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         plan = {"trials": self.trials, "fixed": self.fixed, "nproc": self.nproc,
-                "config_file": self.config_file, "pruned": self.pruned}
+                "config_file": self.config_file, "pruned": self.pruned,
+                "drawn_from": self.drawn_from}
         path = self.folder / PLAN_FILE
         tmp = path.with_name(f".{path.name}.tmp")  # a stop while writing keeps the old plan
         tmp.write_text(json.dumps(plan, indent=1) + "\n")
@@ -177,21 +201,22 @@ class Sweep:
         except (OSError, json.JSONDecodeError) as error:
             raise UserError(f"{folder} is not a sweep folder ({error})") from None
         return cls(folder, plan["trials"], plan["fixed"], plan["nproc"], plan["config_file"],
-                   plan.get("pruned", []))
+                   plan.get("pruned", []), plan.get("drawn_from", {}))
 
 
-def open_sweep(args) -> Sweep:
-    """The sweep folder: created with its plan, or found again (then the plan must match)."""
-    space, fixed = parse_space(args.overrides, bool(args.random))
-    trials = plan_trials(space, args.random, args.seed)
-    wanted = Sweep(args.out / args.name, trials, fixed, args.nproc, args.config or "")
+def open_sweep(args, space: dict, fixed: list[str], drawn_from: dict) -> Sweep:
+    """The sweep folder: created with its plan (trials drawn by plan_trials when `drawn_from`
+    is given, none yet for Optuna), or found again, when the command's settings must match."""
+    wanted = Sweep(args.out / args.name, [], fixed, args.nproc, args.config or "",
+                   drawn_from=drawn_from)
     if (wanted.folder / PLAN_FILE).is_file():
         found = Sweep.load(wanted.folder)
-        if (found.trials, found.fixed, found.nproc, found.config_file) != (
-                wanted.trials, wanted.fixed, wanted.nproc, wanted.config_file):
+        if found.settings() != wanted.settings():
             raise UserError(f"{wanted.folder} holds a sweep with other settings: rerun its own "
                             "command to continue it, or choose another --name")
         return found
+    if drawn_from:
+        wanted.trials = plan_trials(space, args.random, args.seed)
     wanted.save()
     return wanted
 
@@ -208,51 +233,39 @@ def visible_devices() -> list[str]:
     return [str(i) for i in range(visible_gpus())]
 
 
-class DevicePool:
-    """GPUs handed out in blocks of k, each GPU to one trial at a time."""
-
-    def __init__(self, devices: list[str]):
-        self.free = list(devices)
-
-    def take(self, count: int) -> list[str] | None:
-        if len(self.free) < count:
-            return None
-        taken, self.free = self.free[:count], self.free[count:]
-        return taken
-
-    def give(self, devices: list[str]) -> None:
-        self.free.extend(devices)
-
-
-def run_packed(indices: list[int], nproc: int, devices: list[str], start, wait_step=None,
-               max_parallel: int = 0) -> dict[int, int]:
+def run_packed(trials, nproc: int, devices: list[str], start, wait_step=None,
+               max_parallel: int = 0, watch=None, ended=None) -> dict[int, int]:
     """Run trials, as many at once as the devices allow (one at a time with none).
 
-    start(index, devices) starts a trial and returns something with poll() (a Popen);
-    wait_step() is called while trials run (default: a short sleep). Returns each trial's exit
-    status."""
+    `trials` is a list of trial indices, or a function that gives the next one when a slot is
+    free (None: none for now; Optuna asks its study then). start(index, devices) starts a trial
+    and returns something with poll() (a Popen); watch(index, process) is called while it runs,
+    ended(index, status) once it has ended; wait_step() between polls (default: a short sleep).
+    Returns each trial's exit status."""
     if devices and nproc > len(devices):
         raise UserError(f"a trial of {nproc} processes needs {nproc} GPUs and {len(devices)} "
                         f"are visible: use --nproc {len(devices)} or fewer")
-    pool = DevicePool(devices)
+    if isinstance(trials, list):
+        trials = functools.partial(next, iter(list(trials)), None)
+    free, running, statuses = list(devices), {}, {}  # each GPU to one trial at a time
+    need = nproc if devices else 0
     limit = max_parallel or (len(devices) // nproc if devices else 1)
-    waiting, running, statuses = list(indices), {}, {}
-    while waiting or running:
-        while waiting and len(running) < limit:
-            block = pool.take(nproc) if devices else []
-            if block is None:
-                break
-            index = waiting.pop(0)
+    while True:
+        while len(running) < limit and len(free) >= need and (index := trials()) is not None:
+            block, free = free[:need], free[need:]
             running[index] = (start(index, block), block)
+        if not running:
+            return statuses
+        (wait_step or (lambda: time.sleep(0.2)))()
         for index, (process, block) in list(running.items()):
-            status = process.poll()
-            if status is not None:
+            if watch:
+                watch(index, process)
+            if (status := process.poll()) is not None:
                 statuses[index] = status
-                pool.give(block)
+                free += block
                 del running[index]
-        if running:
-            (wait_step or (lambda: time.sleep(0.2)))()
-    return statuses
+                if ended:
+                    ended(index, status)
 
 
 def error_line(log_file: Path) -> str:
@@ -292,19 +305,24 @@ class Stopped(Exception):
         self.number = number
 
 
+def _terminate(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def trials_stop_with_the_sweep(processes: list[subprocess.Popen]) -> Iterator[None]:
     """Ctrl-C, SIGTERM from a scheduler or SIGHUP (the terminal closed): every running trial's
     process group (run.sh and its job) gets SIGTERM, which run.sh treats as a preemption (a
     checkpoint at the step all ranks reach), and the sweep waits for them before it raises
-    Stopped; a rerun continues. Trials run in sessions of their own, so nothing else tells them."""
+    Stopped; a rerun continues. Trials run in sessions of their own, so nothing else tells them.
+    A mistake that stops the sweep (UserError) stops its running trials the same way."""
     received: list[int] = []
 
     def stop(number, frame):
-        for process in processes:
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGTERM)
+        _terminate(processes)
         if not received:  # a second signal only forwards: the sweep is waiting already
             received.append(number)
             raise Stopped(number)
@@ -312,7 +330,9 @@ def trials_stop_with_the_sweep(processes: list[subprocess.Popen]) -> Iterator[No
     previous = {number: signal.signal(number, stop) for number in STOP_SIGNALS}
     try:
         yield
-    except Stopped:
+    except (Stopped, UserError) as error:
+        if isinstance(error, UserError):
+            _terminate(processes)
         for process in processes:
             process.wait()
         raise
@@ -321,88 +341,84 @@ def trials_stop_with_the_sweep(processes: list[subprocess.Popen]) -> Iterator[No
             signal.signal(number, handler)
 
 
+def report_end(sweep: Sweep, index: int, status: int) -> None:
+    """One line on a trial that ended: finished with its best headline value, or failed with
+    the line that says why."""
+    if status == 0 and sweep.finished(index):
+        history = report.read_run(sweep.run_dir(index))
+        print(f"{trial_id(index)} finished: val_{history.headline} "
+              f"{report._cell(history.best())}", flush=True)
+        return
+    log_file = sweep.log_file(index)
+    print(f"{trial_id(index)} failed (exit {status}): {error_line(log_file)}  [log: {log_file}]",
+          flush=True)
+
+
+def run_trials(sweep: Sweep, devices: list[str], trials, max_parallel: int = 0,
+               start: Callable | None = None, wait_step=None, watch=None,
+               ended=None) -> dict[int, int]:
+    """Run trials on this machine, whoever picks them (a plan, or Optuna): packed onto the GPUs
+    (run_packed), each start and end printed as it comes (`ended` replaces report_end), and
+    stopped with the sweep. `start` replaces the launch of run.sh (tests)."""
+    threads = max(1, (os.cpu_count() or 1) // max(1, len(devices) or sweep.nproc))
+    processes: list[subprocess.Popen] = []
+
+    def launch(index: int, block: list[str]) -> subprocess.Popen:
+        settings = " ".join(f"{k}={v}" for k, v in sweep.trials[index].items())
+        where = f" on GPU {','.join(block)}" if block else ""
+        print(f"{trial_id(index)} started: {settings}{where}", flush=True)
+        processes.append(start(index, block) if start else
+                         start_trial(sweep, index, block, threads))
+        return processes[-1]
+
+    with trials_stop_with_the_sweep(processes):
+        return run_packed(trials, sweep.nproc, devices, launch, wait_step, max_parallel, watch,
+                          ended or functools.partial(report_end, sweep))
+
+
 def run_local(sweep: Sweep, devices: list[str], max_parallel: int) -> dict[int, int]:
+    """The trials of the plan that did not finish, run here."""
     todo = [i for i in range(len(sweep.trials)) if not sweep.finished(i)]
     done = len(sweep.trials) - len(todo)
     print(f"sweep {sweep.folder}: {len(sweep.trials)} trial(s), {done} finished before, "
           f"{len(todo)} to run, {sweep.nproc} process(es) each, "
           f"{'GPUs ' + ','.join(devices) if devices else 'no GPU: one at a time'}", flush=True)
-    cores = os.cpu_count() or 1
-    in_use = max(1, (len(devices) if devices else sweep.nproc))
-    threads = max(1, cores // in_use)
-    processes: list[subprocess.Popen] = []
-
-    def start(index: int, block: list[str]) -> subprocess.Popen:
-        settings = " ".join(f"{k}={v}" for k, v in sweep.trials[index].items())
-        where = f" on GPU {','.join(block)}" if block else ""
-        print(f"{trial_id(index)} started: {settings}{where}", flush=True)
-        process = start_trial(sweep, index, block, threads)
-        processes.append(process)
-        return process
-
-    with trials_stop_with_the_sweep(processes):
-        statuses = run_packed(todo, sweep.nproc, devices, start, max_parallel=max_parallel)
-    for index in todo:
-        status = statuses[index]
-        if status == 0 and sweep.finished(index):
-            print(f"{trial_id(index)} finished", flush=True)
-        else:
-            print(f"{trial_id(index)} failed (exit {status}): {error_line(sweep.log_file(index))}"
-                  f"  [log: {sweep.log_file(index)}]", flush=True)
-    return statuses
+    return run_trials(sweep, devices, todo, max_parallel)
 
 
 # --- SLURM --------------------------------------------------------------------------------------
 
-ARRAY_SCRIPT = """#!/usr/bin/env bash
-# Job array of sweep @NAME@: element N runs trial N of sweep.json through run.sh.
-# Written by sweep.py --slurm (which submits it); rerunning that command resubmits only the
-# trials that did not finish. A preempted element saves a checkpoint and requeues itself.
-#SBATCH --job-name=@NAME@
-#SBATCH --array=@ARRAY@
-#SBATCH --nodes=1
-#SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node=@NPROC@
-#SBATCH --cpus-per-task=@CPUS@
-#SBATCH --time=@TIME@
-#SBATCH --signal=USR1@120
-#SBATCH --requeue
-#SBATCH --open-mode=append
-#SBATCH --output=@FOLDER@/logs/trial-%a.slurm.out
-set -euo pipefail
-cd @PROJECT@
-
-trial_args=()
-while IFS= read -r line; do
-  trial_args+=("$line")
-done < <("${PYTHON:-python3}" sweep.py --trial-args @QUOTED_FOLDER@ "$SLURM_ARRAY_TASK_ID")
-
-export NPROC_PER_NODE=@NPROC@
-export NNODES=1  # a trial is one node's job, whatever the project's default
-export RDZV_ID="$SLURM_JOB_ID"  # each element has its own job id, kept when requeued
-status=0
-srun --kill-on-bad-exit=1 ./run.sh "${trial_args[@]}" || status=$?
-if [[ "$status" -eq 75 ]]; then
-  echo "preempted: the checkpoint is saved; requeueing job $SLURM_JOB_ID to continue"
-  scontrol requeue "$SLURM_JOB_ID"
-fi
-exit "$status"
+# Not submitit: its pickled launch and its own requeue would stand beside slurm.sbatch's (exit
+# 75, scontrol requeue) and cluster.sh's environment; each element runs slurm.sbatch instead.
+ARRAY_HEAD = """#!/usr/bin/env bash
+# Job array of sweep {name}, written by `python sweep.py --slurm` (which resubmits the trials that
+# did not finish): slurm.sbatch's #SBATCH lines, then the sweep's; element N runs trial N through
+# slurm.sbatch on one node (cluster.sh sets the node up; a preempted element requeues itself).
 """
+SBATCH_OPTION = re.compile(r"#SBATCH\s+(--[\w-]+)")
 
 
 def array_script(sweep: Sweep, indices: list[int], args) -> str:
-    """A job array of the trials `indices`: each element one trial on its own allocation."""
-    array = ",".join(str(i) for i in indices)
-    if args.max_parallel:
-        array += f"%{args.max_parallel}"
-    values = {"@NAME@": sweep.folder.name, "@ARRAY@": array, "@NPROC@": str(sweep.nproc),
-              "@CPUS@": str(args.cpus_per_task), "@TIME@": args.time,
-              "@FOLDER@": str(sweep.folder), "@PROJECT@": shlex.quote(str(PROJECT_DIR)),
-              "@QUOTED_FOLDER@": shlex.quote(str(sweep.folder))}
-    text = ARRAY_SCRIPT
-    for placeholder in sorted(values, key=len, reverse=True):  # @QUOTED_FOLDER@ before @FOLDER@
-        text = text.replace(placeholder, values[placeholder])
-    return text
+    """A job array of the trials `indices`: each element one trial on a node of its own."""
+    ours = {"--job-name": sweep.folder.name,
+            "--array": ",".join(map(str, indices)) + (
+                f"%{args.max_parallel}" if args.max_parallel else ""),
+            "--nodes": "1", "--gpus-per-node": str(sweep.nproc),
+            "--output": f"{sweep.folder}/logs/trial-%a.slurm.out"}
+    ours.update({"--time": args.time} if args.time else {})
+    ours.update({"--cpus-per-task": str(args.cpus_per_task)} if args.cpus_per_task else {})
+    lines = (PROJECT_DIR / "slurm.sbatch").read_text().splitlines()
+    kept = [line for line in lines if (option := SBATCH_OPTION.match(line))
+            and option[1] not in ours]
+    return "\n".join([
+        ARRAY_HEAD.format(name=sweep.folder.name).rstrip("\n"), *kept,
+        *(f"#SBATCH {option}={value}" for option, value in ours.items()),
+        "set -euo pipefail", f"cd {shlex.quote(str(PROJECT_DIR))}",
+        'case "$SLURM_ARRAY_TASK_ID" in',
+        *(f"  {i}) trial=({shlex.join(sweep.overrides(i))}) ;;" for i in indices),
+        '  *) echo "error: no trial $SLURM_ARRAY_TASK_ID in this array" >&2; exit 2 ;;',
+        "esac", f"export NPROC_PER_NODE={sweep.nproc}",
+        'exec bash ./slurm.sbatch "${trial[@]}"', ""])
 
 
 def submit_array(sweep: Sweep, args) -> int:
@@ -442,15 +458,6 @@ def task_direction(sweep: Sweep) -> str:
     return "maximize" if task.higher_is_better else "minimize"
 
 
-def _suggest(trial, key: str, spec) -> str:
-    if isinstance(spec, list):
-        return trial.suggest_categorical(key, spec)
-    kind, low, high = spec
-    if kind == "int":
-        return str(trial.suggest_int(key, math.ceil(low), math.floor(high)))
-    return f"{trial.suggest_float(key, low, high, log=kind == 'loguniform'):.6g}"
-
-
 def _new_epochs(run_dir: Path, seen: int) -> list[dict]:
     """Records of metrics.jsonl after the first `seen` (a line being written is left out)."""
     try:
@@ -461,110 +468,96 @@ def _new_epochs(run_dir: Path, seen: int) -> list[dict]:
     return [json.loads(line) for line in lines[seen:]]
 
 
-def _report_epochs(job: dict, number: int, run_dir: Path, key: str | None) -> None:
-    """Report a running trial's new epochs to Optuna; SIGTERM it when the pruner says so (it
-    saves a checkpoint and leaves, as when preempted)."""
-    for record in _new_epochs(run_dir, job["seen"]):
-        job["seen"] += 1
-        value = record.get(key) if key else None
-        if value is None or job["pruning"]:
-            continue
-        job["trial"].report(value, step=record["epoch"])
-        if job["trial"].should_prune():
-            job["pruning"] = True
-            print(f"{trial_id(number)} pruned at epoch {record['epoch']} ({key} {value:.4g})",
-                  flush=True)
-            job["process"].send_signal(signal.SIGTERM)
+class OptunaSearch:
+    """--optuna: a study that picks each trial when a slot is free (next_trial), hears its
+    epochs' headline validation values and prunes it (watch), and is told how it ended (ended).
+    The study lives in `storage`: a rerun continues it until `n_trials` have finished or been
+    pruned; a trial the last run left unfinished is marked failed and its settings are tried
+    again first, as a new trial from step 0."""
 
+    def __init__(self, sweep: Sweep, space: dict, n_trials: int, storage: str, direction: str,
+                 seed: int = 0, prune_after: int = 2):
+        optuna = _optuna()
+        self.sweep, self.space, self.n_trials = sweep, space, n_trials
+        self.states = optuna.trial.TrialState
+        self.study = optuna.create_study(
+            study_name=sweep.folder.name, storage=storage, load_if_exists=True,
+            direction=direction, sampler=optuna.samplers.TPESampler(seed=seed),
+            pruner=optuna.pruners.MedianPruner(n_startup_trials=prune_after, n_warmup_steps=0))
+        for left in self.study.get_trials(deepcopy=False, states=(self.states.RUNNING,)):
+            self.study.tell(left.number, state=self.states.FAIL)
+            self.study.enqueue_trial(left.params)
+        self.counted = len(self.study.get_trials(
+            deepcopy=False, states=(self.states.COMPLETE, self.states.PRUNED)))
+        self.jobs: dict[int, dict] = {}  # the running trials: {"trial", "seen", "pruning"}
+        self.key = None  # the headline metric's key in metrics.jsonl, from a summary.json
 
-def _settle(study, sweep: Sweep, job: dict, number: int, status: int, key: str | None) -> int:
-    """Tell Optuna how an ended trial went; 1 if it counts towards the study's trials."""
-    import optuna
+    def next_trial(self) -> int | None:
+        if self.counted + len(self.jobs) >= self.n_trials:
+            return None
+        trial = self.study.ask()
+        trials = self.sweep.trials
+        trials.extend({} for _ in range(trial.number + 1 - len(trials)))
+        trials[trial.number] = {k: _suggest(trial, k, spec) for k, spec in self.space.items()}
+        self.sweep.save()
+        self.jobs[trial.number] = {"trial": trial, "seen": 0, "pruning": False}
+        return trial.number
 
-    states = optuna.trial.TrialState
-    if job["pruning"]:
-        study.tell(job["trial"], state=states.PRUNED)
-        sweep.pruned.append(number)
-        sweep.save()
-        return 1
-    if status == 0 and sweep.finished(number):
-        best = report.read_run(sweep.run_dir(number)).best()
-        study.tell(job["trial"], best)
-        print(f"{trial_id(number)} finished: {key} {best}", flush=True)
-        return 1
-    study.tell(job["trial"], state=states.FAIL)
-    print(f"{trial_id(number)} failed (exit {status}): {error_line(sweep.log_file(number))}",
-          flush=True)
-    if not sweep.run_dir(number).is_dir():  # failed at launch: the fix is the user's
-        raise UserError(f"{trial_id(number)} could not start, so no other will: "
-                        f"{error_line(sweep.log_file(number))}")
-    return 0
+    def watch(self, number: int, process) -> None:
+        """Report a running trial's new epochs; SIGTERM it when the pruner says so (it saves a
+        checkpoint and leaves, as when preempted)."""
+        job, run_dir = self.jobs[number], self.sweep.run_dir(number)
+        if self.key is None and (run_dir / report.SUMMARY_FILE).is_file():
+            with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
+                summary = json.loads((run_dir / report.SUMMARY_FILE).read_text())
+                self.key = "val_" + summary["headline"]
+        for record in _new_epochs(run_dir, job["seen"]):
+            job["seen"] += 1
+            value = record.get(self.key) if self.key else None
+            if value is None or job["pruning"]:
+                continue
+            job["trial"].report(value, step=record["epoch"])
+            if job["trial"].should_prune():
+                job["pruning"] = True
+                print(f"{trial_id(number)} pruned at epoch {record['epoch']} ({self.key} "
+                      f"{value:.4g})", flush=True)
+                process.send_signal(signal.SIGTERM)
+
+    def ended(self, number: int, status: int) -> None:
+        """Tell the study how a trial went; one that could not start stops the search (the
+        fix is the user's, and every later trial would fail the same way)."""
+        job = self.jobs.pop(number)
+        if job["pruning"]:
+            self.study.tell(job["trial"], state=self.states.PRUNED)
+            self.sweep.pruned.append(number)
+            self.sweep.save()
+            self.counted += 1
+            return
+        report_end(self.sweep, number, status)
+        if status == 0 and self.sweep.finished(number):
+            self.study.tell(job["trial"], report.read_run(self.sweep.run_dir(number)).best())
+            self.counted += 1
+            return
+        self.study.tell(job["trial"], state=self.states.FAIL)
+        if not self.sweep.run_dir(number).is_dir():
+            raise UserError(f"{trial_id(number)} could not start, so no other will: "
+                            f"{error_line(self.sweep.log_file(number))}")
+
+    def print_best(self) -> None:
+        if self.study.get_trials(deepcopy=False, states=(self.states.COMPLETE,)):
+            best = self.study.best_trial
+            print(f"best: {trial_id(best.number)} {self.key or 'value'} {best.value:.4g} "
+                  + " ".join(f"{k}={v}" for k, v in best.params.items()), flush=True)
 
 
 def run_optuna(sweep: Sweep, space: dict, n_trials: int, devices: list[str], storage: str,
                direction: str, seed: int = 0, start=None, wait_step=None,
                prune_after: int = 2) -> None:
-    """Ask Optuna for trials, run them (packed like the grid), report each epoch's headline
-    validation value, and stop a trial the pruner gives up on (SIGTERM: it saves a checkpoint
-    and leaves, as when preempted). The study lives in `storage`: a rerun continues it until
-    `n_trials` have finished or been pruned; a trial the last run left unfinished is marked
-    failed and its settings are tried again first, as a new trial from step 0."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(
-        study_name=sweep.folder.name, storage=storage, load_if_exists=True,
-        direction=direction, sampler=optuna.samplers.TPESampler(seed=seed),
-        pruner=optuna.pruners.MedianPruner(n_startup_trials=prune_after, n_warmup_steps=0))
-    states = optuna.trial.TrialState
-    start = start or (lambda index, block: start_trial(sweep, index, block, 1))
-    for left in study.get_trials(deepcopy=False, states=(states.RUNNING,)):
-        study.tell(left.number, state=states.FAIL)
-        study.enqueue_trial(left.params)
-    counted = sum(t.state in (states.COMPLETE, states.PRUNED)
-                  for t in study.get_trials(deepcopy=False))
-    key = None  # the headline metric's key in metrics.jsonl, from the first summary.json
-    pool, slots = DevicePool(devices), (len(devices) // sweep.nproc if devices else 1)
-    running: dict[int, dict] = {}
-
-    def launch(trial) -> bool:
-        block = pool.take(sweep.nproc) if devices else []
-        if block is None:
-            return False
-        params = {k: _suggest(trial, k, spec) for k, spec in space.items()}
-        while len(sweep.trials) <= trial.number:
-            sweep.trials.append({})
-        sweep.trials[trial.number] = params
-        sweep.save()
-        print(f"{trial_id(trial.number)} started: "
-              + " ".join(f"{k}={v}" for k, v in params.items()), flush=True)
-        running[trial.number] = {"trial": trial, "process": start(trial.number, block),
-                                 "block": block, "seen": 0, "pruning": False}
-        return True
-
-    while counted + len(running) < n_trials or running:
-        while len(running) < slots and counted + len(running) < n_trials:
-            if (devices and len(pool.free) < sweep.nproc) or not launch(study.ask()):
-                break
-        for number, job in list(running.items()):
-            run_dir = sweep.run_dir(number)
-            if key is None and (run_dir / report.SUMMARY_FILE).is_file():
-                with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
-                    key = "val_" + json.loads((run_dir / report.SUMMARY_FILE).read_text())[
-                        "headline"]
-            _report_epochs(job, number, run_dir, key)
-            status = job["process"].poll()
-            if status is None:
-                continue
-            pool.give(job["block"])
-            del running[number]
-            counted += _settle(study, sweep, job, number, status, key)
-        if running:
-            (wait_step or (lambda: time.sleep(0.5)))()
-    best = study.best_trial if any(t.state == states.COMPLETE for t in study.trials) else None
-    if best is not None:
-        print(f"best: {trial_id(best.number)} {key or 'value'} {best.value:.4g} "
-              + " ".join(f"{k}={v}" for k, v in best.params.items()), flush=True)
+    """Ask Optuna for trials and run them as the grid's run (run_trials); see OptunaSearch."""
+    search = OptunaSearch(sweep, space, n_trials, storage, direction, seed, prune_after)
+    run_trials(sweep, devices, search.next_trial, start=start, wait_step=wait_step,
+               watch=search.watch, ended=search.ended)
+    search.print_best()
 
 
 # --- the summary ------------------------------------------------------------------------------
@@ -648,7 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default="", help="config file for every trial")
     parser.add_argument("--random", type=int, default=0, metavar="N",
                         help="N random draws instead of the whole grid")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --random")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the samplers: the grid's "
+                        "order, --random's draws, --optuna's TPE")
     parser.add_argument("--gpus", default=None, help="GPU ids to pack trials on (default: "
                         "all visible); empty: run on CPU, one trial at a time")
     parser.add_argument("--max-parallel", type=int, default=0,
@@ -659,75 +653,74 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default sqlite:///<sweep>/optuna.db)")
     parser.add_argument("--direction", default="auto", choices=("auto", "maximize", "minimize"),
                         help="--optuna: auto follows the task's headline metric")
-    parser.add_argument("--slurm", action="store_true", help="submit a SLURM job array")
+    parser.add_argument("--slurm", action="store_true", help="submit a SLURM job array, each "
+                        "element slurm.sbatch on one node")
     parser.add_argument("--dry-run", action="store_true", help="--slurm: write, do not submit")
-    parser.add_argument("--time", default="24:00:00", help="--slurm: time limit per trial")
-    parser.add_argument("--cpus-per-task", type=int, default=8, help="--slurm: CPUs per trial")
+    parser.add_argument("--time", default="", help="--slurm: time limit per trial (default: "
+                        "slurm.sbatch's)")
+    parser.add_argument("--cpus-per-task", type=int, default=0, help="--slurm: CPUs per trial "
+                        "(default: slurm.sbatch's)")
     parser.add_argument("--summary", type=Path, metavar="SWEEP",
                         help="only write the summary of the sweep folder SWEEP")
-    parser.add_argument("--trial-args", nargs=2, metavar=("SWEEP", "N"), help=argparse.SUPPRESS)
     return parser
 
 
-def optuna_main(args) -> int:
-    import importlib.util
-
-    if importlib.util.find_spec("optuna") is None:
-        raise UserError("--optuna needs the optuna package: pip install -e '.[optuna]'")
-    if args.slurm or args.random:
+def check_args(args) -> None:
+    """One line on what is wrong with the command line, before anything is written."""
+    for option in ("random", "optuna"):
+        if getattr(args, option) < 0:
+            raise UserError(f"--{option} {getattr(args, option)} is not valid: a number of "
+                            "trials, >= 1")
+    if args.nproc < 1:
+        raise UserError(f"--nproc {args.nproc} is not valid: at least 1 process per trial")
+    if args.optuna and (args.slurm or args.random):
         raise UserError("--optuna chooses the trials itself: drop --slurm / --random")
+    if args.slurm and not (PROJECT_DIR / "slurm.sbatch").is_file():
+        raise UserError("--slurm runs each trial through slurm.sbatch, which this project was "
+                        "baked without (scheduler=none): bake it with scheduler=slurm, or drop "
+                        "--slurm to run the trials on this machine")
+
+
+def chosen_devices(args) -> list[str]:
+    """--gpus, else the GPUs this process sees."""
+    if args.gpus is None:
+        return visible_devices()
+    return [device for device in args.gpus.split(",") if device.strip()]
+
+
+def optuna_main(args) -> int:
     space, fixed = parse_space(args.overrides, random_search=True)
-    folder = args.out / args.name
-    sweep = Sweep.load(folder) if (folder / PLAN_FILE).is_file() else Sweep(
-        folder, [], fixed, args.nproc, args.config or "")
-    if (sweep.fixed, sweep.nproc) != (fixed, args.nproc):
-        raise UserError(f"{folder} holds a sweep with other settings: rerun its own command "
-                        "to continue it, or choose another --name")
-    sweep.save()
-    devices = visible_devices() if args.gpus is None else [
-        d for d in args.gpus.split(",") if d.strip()]
+    sweep = open_sweep(args, space, fixed, drawn_from={})
     direction = task_direction(sweep) if args.direction == "auto" else args.direction
-    storage = args.storage or f"sqlite:///{folder / 'optuna.db'}"
-    print(f"sweep {folder}: Optuna, {args.optuna} trial(s), {direction} the validation "
+    storage = args.storage or f"sqlite:///{sweep.folder / 'optuna.db'}"
+    print(f"sweep {sweep.folder}: Optuna, {args.optuna} trial(s), {direction} the validation "
           f"metric, study in {storage}", flush=True)
-    threads = max(1, (os.cpu_count() or 1) // max(1, len(devices) or sweep.nproc))
-    processes: list[subprocess.Popen] = []
+    run_optuna(sweep, space, args.optuna, chosen_devices(args), storage, direction, args.seed)
+    return write_summary(sweep)
 
-    def start(index: int, block: list[str]) -> subprocess.Popen:
-        processes.append(start_trial(sweep, index, block, threads))
-        return processes[-1]
 
-    with trials_stop_with_the_sweep(processes):
-        run_optuna(sweep, space, args.optuna, devices, storage, direction, args.seed, start)
+def sweep_main(args) -> int:
+    if args.optuna:
+        return optuna_main(args)
+    space, fixed = parse_space(args.overrides, bool(args.random))
+    drawn_from = {"space": {key: list(spec) for key, spec in space.items()},
+                  "random": args.random, "seed": args.seed}
+    sweep = open_sweep(args, space, fixed, drawn_from)
+    if args.slurm:
+        return submit_array(sweep, args)
+    run_local(sweep, chosen_devices(args), args.max_parallel)
     return write_summary(sweep)
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.trial_args:  # the job array's elements: one override per line
-            sweep = Sweep.load(Path(args.trial_args[0]))
-            print("\n".join(sweep.overrides(int(args.trial_args[1]))))
-            return 0
         if args.summary:
             return write_summary(Sweep.load(args.summary))
-        if args.nproc < 1:
-            raise UserError(f"--nproc {args.nproc} is not valid: at least 1 process per trial")
-        if args.random < 0:
-            raise UserError(f"--random {args.random} is not valid: a number of trials, >= 1")
-        if args.optuna < 0:
-            raise UserError(f"--optuna {args.optuna} is not valid: a number of trials, >= 1")
+        check_args(args)
         args.out = args.out if args.out.is_absolute() else PROJECT_DIR / args.out
         args.name = args.name or time.strftime("sweep-%Y%m%d-%H%M%S")
-        if args.optuna:
-            return optuna_main(args)
-        sweep = open_sweep(args)
-        if args.slurm:
-            return submit_array(sweep, args)
-        devices = visible_devices() if args.gpus is None else [
-            d for d in args.gpus.split(",") if d.strip()]
-        run_local(sweep, devices, args.max_parallel)
-        return write_summary(sweep)
+        return sweep_main(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -736,4 +729,3 @@ def main(argv: list[str]) -> int:
         # SIGTERM / SIGHUP: stopped on purpose, as a preempted run is (run.sh's 75).
         interrupted = isinstance(stop, KeyboardInterrupt) or stop.number == signal.SIGINT
         return 130 if interrupted else PREEMPTED_EXIT
-

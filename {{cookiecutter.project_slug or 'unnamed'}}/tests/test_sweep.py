@@ -1,6 +1,7 @@
 """Sweeps: the plan, the packing of trials onto GPUs (a scheduler test with pretend devices), and a
 real 4-trial grid of 2-process runs with one bad trial, rerun, summarised and reported."""
 
+import argparse
 import csv
 import json
 import signal
@@ -65,13 +66,17 @@ def test_the_plan_grid_random_and_bad_input():
     space, fixed = sweep.parse_space(["optim.lr=1e-3,3e-3", "model.hidden_dim=16,32",
                                       "train.epochs=2"], random_search=False)
     assert fixed == ["train.epochs=2"]
-    grid = sweep.plan_trials(space)
+    grid = sweep.plan_trials(space, seed=3)
     assert len(grid) == 4 and len({tuple(t.values()) for t in grid}) == 4
+    assert grid == sweep.plan_trials(space, seed=3)  # GridSampler's order: the seed's shuffle
     space, _ = sweep.parse_space(["optim.lr=loguniform(1e-4,1e-2)", "model.dropout=0,0.1"],
                                  random_search=True)
     draws = sweep.plan_trials(space, random_trials=6, seed=1)
     assert draws == sweep.plan_trials(space, random_trials=6, seed=1)  # the seed fixes them
     assert all(1e-4 <= float(t["optim.lr"]) <= 1e-2 for t in draws)
+    space, _ = sweep.parse_space(["train.epochs=int(1,3)"], random_search=True)
+    draws = [t["train.epochs"] for t in sweep.plan_trials(space, random_trials=5)]
+    assert sorted(draws[:3]) == ["1", "2", "3"] and len(draws) == 5  # distinct while they can be
     for overrides, random_search, message in [
         (["optim.lrr=1,2"], False, "not a config key"),
         (["optim.lr=loguniform(1e-4,1e-2)"], False, "needs --random"),
@@ -95,23 +100,31 @@ def test_a_grid_of_two_process_trials_survives_a_bad_one_reruns_it_alone_and_ran
     first = run(command, timeout=600)
     assert first.returncode == 1, first.stdout
     folder = tmp_path / "grid"
+    # The grid's order is Optuna's GridSampler's, shuffled by --seed: the plan names the bad one.
+    plan = json.loads((folder / "sweep.json").read_text())["trials"]
+    assert sorted(tuple(t.values()) for t in plan) == [("12", "1"), ("12", "3"), ("16", "1"),
+                                                       ("16", "3")]
+    bad = sweep.trial_id(plan.index({"train.global_batch_size": "16",
+                                     "train.grad_accum_steps": "3"}))
+    good = sorted({sweep.trial_id(index) for index in range(4)} - {bad})
     failed = [line for line in first.stdout.splitlines() if " failed (exit" in line]
-    assert len(failed) == 1 and failed[0].startswith("trial-003 failed (exit 2): error: "
+    assert len(failed) == 1 and failed[0].startswith(f"{bad} failed (exit 2): error: "
                                                      "train.global_batch_size=16 does not divide")
-    for index in range(3):
-        assert json.loads((folder / f"trial-00{index}" / "summary.json").read_text())[
-            "status"] == "done"
-    assert not (folder / "trial-003").exists()  # a launch that failed leaves no run folder
+    for trial in good:
+        assert json.loads((folder / trial / "summary.json").read_text())["status"] == "done"
+        assert f"{trial} finished: val_accuracy " in first.stdout, first.stdout
+    assert not (folder / bad).exists()  # a launch that failed leaves no run folder
 
     again = run(command, timeout=600)
     assert again.returncode == 1 and "3 finished before, 1 to run" in again.stdout, again.stdout
     launches = {path.stem: path.read_text().count(sweep.LAUNCH_MARK)
                 for path in (folder / "logs").iterdir()}
-    assert launches == {"trial-000": 1, "trial-001": 1, "trial-002": 1, "trial-003": 2}
+    assert launches == {**dict.fromkeys(good, 1), bad: 2}
 
     with open(folder / "summary.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert [row["status"] for row in rows] == ["finished"] * 3 + ["failed"]
+    assert rows[3]["trial"] == bad
     best = [float(row["best"]) for row in rows[:3]]
     assert best == sorted(best, reverse=True) and rows[0]["metric"] == "val_accuracy"
     assert "does not divide" in rows[3]["error"]
@@ -119,16 +132,16 @@ def test_a_grid_of_two_process_trials_survives_a_bad_one_reruns_it_alone_and_ran
     assert matplotlib.image.imread(folder / "summary.png").shape[0] > 100
 
     # Each trial is an ordinary run: its curves, and report.py over two of them.
-    height, width, _ = matplotlib.image.imread(folder / "trial-000" / "curves.png").shape
+    height, width, _ = matplotlib.image.imread(folder / good[0] / "curves.png").shape
     assert width > 2 * height  # three panels side by side
-    report = run([sys.executable, "report.py", str(folder / "trial-000"),
-                  str(folder / "trial-001"), "--out", str(tmp_path / "report")])
+    report = run([sys.executable, "report.py", str(folder / good[0]), str(folder / good[1]),
+                  "--out", str(tmp_path / "report")])
     assert report.returncode == 0, report.stdout
     assert matplotlib.image.imread(tmp_path / "report" / "report.png").shape[0] > 100
     ranked = [line.split(",")[0] for line in
               (tmp_path / "report" / "report.csv").read_text().splitlines()[1:]]
     by_trial = {row["trial"]: float(row["best"]) for row in rows[:3]}
-    assert ranked == sorted(["trial-000", "trial-001"], key=lambda t: -by_trial[t])
+    assert ranked == sorted(good[:2], key=lambda t: -by_trial[t])
     missing = run([sys.executable, "report.py", str(tmp_path / "nowhere")])
     assert missing.returncode == 2 and missing.stdout.count("error:") == 1
     # Everything in the sweep folder, as `report.py runs/*` names mlflow.db and the like.
@@ -150,6 +163,23 @@ def test_bad_numbers_of_trials_and_empty_ranges_are_one_line(tmp_path):
         assert result.returncode == 2 and len(lines) == 1, result.stdout
         assert lines[0].startswith("error: ") and message in lines[0], lines
     assert list(tmp_path.iterdir()) == []  # no sweep folder
+
+
+def test_the_plan_is_drawn_once_and_a_rerun_must_ask_for_the_same_sweep(tmp_path):
+    def args(seed):
+        return argparse.Namespace(out=tmp_path, name="kept", nproc=1, config="", random=3,
+                                  seed=seed)
+
+    space, fixed = sweep.parse_space(["optim.lr=uniform(0.1,0.2)"], random_search=True)
+    drawn_from = {"space": {key: list(spec) for key, spec in space.items()}, "random": 3}
+    first = sweep.open_sweep(args(0), space, fixed, {**drawn_from, "seed": 0})
+    assert len({t["optim.lr"] for t in first.trials}) == 3
+    first.trials[0]["optim.lr"] = "0.15"  # what is in sweep.json is run, not a new draw
+    first.save()
+    again = sweep.open_sweep(args(0), space, fixed, {**drawn_from, "seed": 0})
+    assert again.trials == first.trials
+    with pytest.raises(UserError, match="holds a sweep with other settings"):
+        sweep.open_sweep(args(1), space, fixed, {**drawn_from, "seed": 1})
 
 
 @pytest.mark.slow
@@ -207,7 +237,7 @@ class PretendRun:
 
 
 def test_optuna_prunes_a_trial_on_its_validation_metric_and_ranks_the_rest(tmp_path):
-    optuna = pytest.importorskip("optuna", reason="the [optuna] extra is not installed")
+    import optuna
     space, fixed = sweep.parse_space(["optim.lr=loguniform(1e-4,1e-1)", "model.dropout=0,0.1"],
                                      random_search=True)
     plan = sweep.Sweep(tmp_path / "study", [], fixed, nproc=1)
