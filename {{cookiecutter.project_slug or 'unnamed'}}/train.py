@@ -7,8 +7,9 @@
 Each run gets one folder, runs/<run.name>-<time>/ (chosen by rank 0 and shared with the others),
 holding config.yaml, checkpoints/, tb/ (TensorBoard), train_log.jsonl, metrics.jsonl,
 summary.json (how the run ended, its headline metric) and curves.png. Only rank 0 writes.
-The distributed parts are the few lines that mention dist_utils, the sampler's epoch and the
-wrapped model; the data, model and task are what the config names.
+What is distributed happens in the engine: each rank's share of the epoch (epoch_steps), the
+gradients' all-reduce (the wrapped model in train_step), the stop every rank agrees on (the
+supervisor); the data, model and task are what the config names.
 
 This file is the training loop. Building the run (config, data, model, optimizer, schedule, a
 resumed checkpoint) is ddpkit/run_setup.py; the Run and one optimizer step (train_step) are
@@ -58,6 +59,7 @@ def train_epochs(run: Run) -> None:
     cfg, model, data, task, position = run.cfg, run.model, run.data, run.task, run.position
     training_log, scheduler, checkpointer = run.training_log, run.scheduler, run.checkpointer
     optimizer, device, speed, scaler = run.optimizer, run.device, run.speed, run.scaler
+    supervisor, lr = run.supervisor, run.lr
     # Settings the loop reads every step, as plain numbers (an OmegaConf read is far slower).
     epochs, grad_clip = cfg.train.epochs, cfg.optim.grad_clip
     profiler = StepProfiler(cfg, run.run_dir, run.env.rank, device, position.step)
@@ -74,16 +76,16 @@ def train_epochs(run: Run) -> None:
             position.step += 1
             position.step_in_epoch += 1
             bar.update()
-            if training_log.maybe_flush(position.step, run.lr):
+            if training_log.maybe_flush(position.step, lr):
                 bar.set_postfix(loss=f"{training_log.last.get('loss', math.nan):.4f}")
-            if run.supervisor.should_stop():  # a preemption signal: every rank stops here
+            if supervisor.should_stop():  # a preemption signal: every rank stops here
                 stop_for_preemption(run)
             if checkpointer.due(position.step):
                 run.save_mid_training()
                 training_log.restart_clock()  # the write is not training time of the next window
             if position.step == run.total_steps:
                 break
-        training_log.end_training(position.step, run.lr())
+        training_log.end_training(position.step, lr())
         bar.close()
         validate(run)
         if position.step_in_epoch >= data.steps_per_epoch:
