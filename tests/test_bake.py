@@ -20,7 +20,9 @@ EXPECTED_FILES = {
     *(f"ddpkit/{name}.py" for name in (
         "__init__", "project", "recipes", "config", "dist_utils", "data", "splits", "datasets",
         "models", "tasks", "parallel", "speed", "checkpoint", "training_log", "evaluation",
-        "metrics", "flops", "profiling", "trackers", "preflight", "report", "sweep")),
+        "metrics", "flops", "profiling", "trackers", "preflight", "report", "sweep",
+        "run_setup", "run_state", "run_end", "resume_settings", "schedules", "smoke",
+        "utilization")),
     "tests/conftest.py", "tests/fixtures.py",
     "tests/test_config.py", "tests/test_data.py", "tests/test_dist_utils.py",
     "tests/test_distributed.py", "tests/test_examples.py", "tests/test_metrics.py",
