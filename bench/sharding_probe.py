@@ -24,7 +24,8 @@ from pathlib import Path
 
 from ddpkit import checkpoint
 from ddpkit import dist_utils
-import train
+from ddpkit.run_setup import start_run
+from ddpkit.run_state import Run, train_step
 from omegaconf import OmegaConf
 
 
@@ -33,13 +34,13 @@ def slowest(seconds: float) -> float:
     return max(dist_utils.gather_objects(seconds))
 
 
-def step(s: train.Setup, batches) -> None:
-    train.train_step(s.model, s.optimizer, next(batches), s.task, s.device, s.speed, s.scaler,
-                     s.cfg.optim.grad_clip)
+def step(s: Run, batches) -> None:
+    train_step(s.model, s.optimizer, next(batches), s.task, s.device, s.speed, s.scaler,
+               s.cfg.optim.grad_clip)
     s.position.step += 1
 
 
-def measure_training(s: train.Setup, steps: int) -> dict:
+def measure_training(s: Run, steps: int) -> dict:
     batches = s.data.train_steps(0, 0)
     seconds = []
     for _ in range(steps):
@@ -53,7 +54,7 @@ def measure_training(s: train.Setup, steps: int) -> dict:
             "seconds_per_step": statistics.median(seconds[2:])}
 
 
-def measure_hold(s: train.Setup, rounds: int) -> dict:
+def measure_hold(s: Run, rounds: int) -> dict:
     savers = {}
     for mode in (False, True):
         cfg = OmegaConf.merge(s.cfg, {"train": {"checkpoint_async": mode}})
@@ -80,11 +81,11 @@ def measure_hold(s: train.Setup, rounds: int) -> dict:
 
 def main(argv: list[str]) -> None:
     mode, out, count = argv[0], Path(argv[1]), int(argv[2])
-    s = train.setup(argv[3:])
+    s = start_run(argv[3:])
     result = measure_training(s, count) if mode == "train" else measure_hold(s, count)
     if s.env.is_main:
         out.write_text(json.dumps(result))
-    s.log.close()
+    s.training_log.close()
     s.supervisor.settle()
     dist_utils.barrier()
 

@@ -585,6 +585,8 @@ class Checkpointer:
     def __init__(self, run_dir: Path, cfg: DictConfig, env: DistEnv):
         self.folder = run_dir / "checkpoints"
         self.keep = cfg.train.keep_checkpoints
+        self.every = cfg.train.ckpt_every  # a checkpoint every that many steps (0: only the end)
+        self.last_saved = -1  # the step of the last checkpoint saved (or resumed): -1 for none
         self.env = env
         self.asynchronous = bool(cfg.train.checkpoint_async)
         # The background write coordinates the ranks through collectives of its own: on a gloo
@@ -596,11 +598,15 @@ class Checkpointer:
         self.pending_path: Path | None = None
         self.pending_bytes = 0
 
+    def due(self, step: int) -> bool:
+        """Whether a periodic checkpoint is due after optimizer step `step`."""
+        return bool(self.every) and step % self.every == 0
+
     def save(self, parts: dict, position: Position, cfg: DictConfig) -> None:
         """A checkpoint of `parts` (name -> object with state_dict(), or None) from which
         training continues exactly."""
         self.wait()
-        env = self.env
+        self.last_saved, env = position.step, self.env
         rngs = dist_utils.gather_objects(rng_state())  # each rank's generators
         small = {name: part.state_dict() if part is not None else None
                  for name, part in parts.items() if name not in SHARDED_PARTS}

@@ -5,8 +5,8 @@
 
 Each run is read from its own files: train_log.jsonl (a line per logged window of steps),
 metrics.jsonl (a line per epoch) and summary.json (the task's headline metric, whether higher
-is better, how the run ended). train.py calls `plot_runs` for its own run at the end of
-training (<run>/curves.png); sweep.py uses `comparison` and `write_table` for its summary.
+is better, how the run ended). A training run calls `plot_runs` for itself at its end
+(run_end.py: <run>/curves.png); sweep.py uses `comparison` and `write_table` for its summary.
 """
 
 import argparse

@@ -35,6 +35,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -150,8 +151,9 @@ def compilations() -> int:
 
 class TrainingLog:
     def __init__(self, run_dir: Path, env: DistEnv, device: torch.device, trackers=None,
-                 clock=time.perf_counter, synchronize=None):
+                 clock=time.perf_counter, synchronize=None, log_every: int = 1):
         self.run_dir, self.env, self.device, self.trackers = run_dir, env, device, trackers
+        self.log_every = log_every  # train.log_every: a window ends every that many steps
         # The clock and the wait for the device (tests give their own: time made deterministic).
         self.clock = clock
         self.synchronize = synchronize or device_synchronizer(device)
@@ -223,6 +225,16 @@ class TrainingLog:
         return sums, sum(counts) * self.env.world_size
 
     # -- logging a window -------------------------------------------------------------------------
+
+    def maybe_flush(self, step: int, lr: Callable[[], float]) -> bool:
+        """End the window at `step` if one ends there (every log_every steps); `lr` is read only
+        then. The first step is logged too: it shows when training really started. (Not the
+        first after a resume: its windows stay those of an uninterrupted run, which a tracker
+        already holds when a restarted job repeats steps.) True when the window ended."""
+        if step % self.log_every and step != 1:
+            return False
+        self.flush(step, lr())
+        return True
 
     def flush(self, step: int, lr: float) -> None:
         """End the window at `step`: start its all-reduce (every rank calls this at the same

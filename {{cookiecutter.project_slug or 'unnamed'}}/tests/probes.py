@@ -7,7 +7,7 @@ Usage: torchrun --nproc_per_node=N tests/probes.py PROBE OUT_DIR key=value...
   padding-bias   OUT_DIR/bias.json: test metrics through the exact shards and through a
                  padding DistributedSampler, for the same (freshly initialised) model
   allreduce      OUT_DIR/allreduce.json: gradient all-reduces counted by a DDP communication
-                 hook over a few optimizer steps of train.train_step
+                 hook over a few optimizer steps of ddpkit.run_state.train_step
   workers        OUT_DIR/workers.json: whether loaders with data.num_workers worker processes
                  give the batches of in-process loading, and each worker's random state
 """
@@ -30,10 +30,10 @@ from ddpkit.config import load_config  # noqa: E402
 from ddpkit.data import DataModule  # noqa: E402
 from ddpkit.evaluation import evaluate_split, scalars  # noqa: E402
 from ddpkit.parallel import build_model, wrap_model  # noqa: E402
+from ddpkit.run_state import train_step  # noqa: E402
 from ddpkit.speed import FLOAT32  # noqa: E402
 from ddpkit.splits import TensorSamples  # noqa: E402
 from ddpkit.tasks import build_task  # noqa: E402
-from train import train_step  # noqa: E402
 
 
 def indices_seen(batches, dataset) -> list[int]:

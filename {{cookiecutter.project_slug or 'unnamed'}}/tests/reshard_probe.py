@@ -1,6 +1,7 @@
-"""Resume a run as train.py would (its latest checkpoint, at this process count and strategy),
-then gather the model and optimizer state back from the processes and compare them with the
-checkpoint's: prints `same state: N tensors` on rank 0, or fails. Run by test_fsdp.py."""
+"""Resume a run as train.py would (ddpkit.run_setup.start_run: its latest checkpoint, at this
+process count and strategy), then gather the model and optimizer state back from the processes
+and compare them with the checkpoint's: prints `same state: N tensors` on rank 0, or fails. Run
+by test_fsdp.py."""
 
 import sys
 from pathlib import Path
@@ -9,12 +10,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import train  # noqa: E402
 from ddpkit import (
     checkpoint,  # noqa: E402
     dist_utils,  # noqa: E402
 )
 from ddpkit.parallel import ModelState  # noqa: E402
+from ddpkit.run_setup import start_run  # noqa: E402
 
 
 def differences(saved, restored, where: str = "") -> list[str]:
@@ -47,7 +48,7 @@ def flat_tensors(state, prefix: str = "") -> dict:
 
 
 def main(argv: list[str]) -> None:
-    s = train.setup(argv)
+    s = start_run(argv)
     assert s.resumed, "the probe needs a run folder with a checkpoint (run.dir=...)"
     # Gathered whole onto rank 0 (a collective).
     restored = {name: flat_tensors(ModelState(s.model, optimizer, whole=True).state_dict())
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> None:
         if found:
             raise AssertionError("restored state differs: " + "; ".join(found[:10]))
         print(f"same state: {sum(len(part) for part in saved.values())} tensors", flush=True)
-    s.log.close()
+    s.training_log.close()
 
 
 if __name__ == "__main__":

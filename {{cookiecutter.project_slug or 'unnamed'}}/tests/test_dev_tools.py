@@ -8,12 +8,12 @@ import sys
 import pytest
 import torch
 
-import train
 from conftest import TINY, fixture, only_run_dir, run, torchrun
 from ddpkit.config import load_config
 from ddpkit.data import DataModule
 from ddpkit.dist_utils import DistEnv
 from ddpkit.tasks import build_task
+from ddpkit.utilization import count_flops
 
 
 def run_sh(*args: str, nproc: int = 2):
@@ -130,7 +130,7 @@ def test_flops_of_a_training_step_of_the_default_models_equal_a_hand_count(name)
     data = DataModule(cfg, DistEnv(0, 0, 2, True), torch.device("cpu"))
     task = build_task(cfg, data.splits)
     shape = task.input_shape(data.datasets["train"][0])
-    per_step = train.count_flops(cfg, data, task, shape) * data.batch_size_per_rank
+    per_step = count_flops(cfg, data, task, shape) * data.batch_size_per_rank
     model = cfg.model
     if name == "mlp":
         hand = hand_count_mlp(math.prod(shape), model.hidden_dim, model.num_layers, 10)

@@ -76,6 +76,32 @@ def assert_same_numbers(a, b, tol=1e-6):
 
 
 @pytest.mark.slow
+def agrees_with_scikit_learn(tmp_path, run_dir, runs) -> None:
+    """scikit-learn as the oracle, on the one-process predictions; the binned mode close to it."""
+    metrics = runs[1]["metrics"]
+    saved_predictions = np.load(tmp_path / "eval1" / "predictions.npz")
+    probs, labels = saved_predictions["predictions"], saved_predictions["targets"]
+    assert probs.shape == (TINY_SPLIT["test"], 4)
+    assert metrics["accuracy"] == pytest.approx(accuracy_score(labels, probs.argmax(1)), abs=1e-9)
+    for cls in range(4):
+        ap = average_precision_score(labels == cls, probs[:, cls])
+        assert metrics["average_precision_per_class"][cls] == pytest.approx(ap, abs=1e-6)
+        precision, recall, thresholds = precision_recall_curve(labels == cls, probs[:, cls])
+        curve = runs[3]["curves"]["pr"][str(cls)]  # the three-process curve, against sklearn's
+        np.testing.assert_allclose(curve["precision"], precision, atol=1e-6)
+        np.testing.assert_allclose(curve["recall"], recall, atol=1e-6)
+        np.testing.assert_allclose(curve["thresholds"], thresholds, atol=1e-6)
+    macro = np.mean([average_precision_score(labels == c, probs[:, c]) for c in range(4)])
+    assert metrics["average_precision_macro"] == pytest.approx(macro, abs=1e-6)
+    # The constant-memory mode: counts exact, curves and AP at 1000 score thresholds.
+    binned = evaluate_with(run_dir, tmp_path / "binned", 2, "eval.binned_thresholds=1000")
+    assert binned["metrics"]["confusion_matrix"] == metrics["confusion_matrix"]
+    assert binned["metrics"]["accuracy"] == metrics["accuracy"]
+    assert binned["metrics"]["average_precision_macro"] == pytest.approx(macro, abs=0.02)
+    micro = average_precision_score(np.eye(4)[labels].ravel(), probs.ravel())
+    assert metrics["average_precision_micro"] == pytest.approx(micro, abs=1e-9)
+
+
 def test_classification_trains_with_run_sh_and_evaluates_exactly(tmp_path, tiny_args):
     result = run(["./run.sh", *tiny_args], NPROC_PER_NODE="2")
     assert result.returncode == 0, result.stdout
@@ -108,28 +134,7 @@ def test_classification_trains_with_run_sh_and_evaluates_exactly(tmp_path, tiny_
     metrics = runs[1]["metrics"]
     assert metrics["accuracy"] > 0.8
 
-    # scikit-learn as the oracle, on the one-process predictions.
-    saved_predictions = np.load(tmp_path / "eval1" / "predictions.npz")
-    probs, labels = saved_predictions["predictions"], saved_predictions["targets"]
-    assert probs.shape == (TINY_SPLIT["test"], 4)
-    assert metrics["accuracy"] == pytest.approx(accuracy_score(labels, probs.argmax(1)), abs=1e-9)
-    for cls in range(4):
-        ap = average_precision_score(labels == cls, probs[:, cls])
-        assert metrics["average_precision_per_class"][cls] == pytest.approx(ap, abs=1e-6)
-        precision, recall, thresholds = precision_recall_curve(labels == cls, probs[:, cls])
-        curve = runs[3]["curves"]["pr"][str(cls)]  # the three-process curve, against sklearn's
-        np.testing.assert_allclose(curve["precision"], precision, atol=1e-6)
-        np.testing.assert_allclose(curve["recall"], recall, atol=1e-6)
-        np.testing.assert_allclose(curve["thresholds"], thresholds, atol=1e-6)
-    macro = np.mean([average_precision_score(labels == c, probs[:, c]) for c in range(4)])
-    assert metrics["average_precision_macro"] == pytest.approx(macro, abs=1e-6)
-    # The constant-memory mode: counts exact, curves and AP at 1000 score thresholds.
-    binned = evaluate_with(run_dir, tmp_path / "binned", 2, "eval.binned_thresholds=1000")
-    assert binned["metrics"]["confusion_matrix"] == metrics["confusion_matrix"]
-    assert binned["metrics"]["accuracy"] == metrics["accuracy"]
-    assert binned["metrics"]["average_precision_macro"] == pytest.approx(macro, abs=0.02)
-    micro = average_precision_score(np.eye(4)[labels].ravel(), probs.ravel())
-    assert metrics["average_precision_micro"] == pytest.approx(micro, abs=1e-9)
+    agrees_with_scikit_learn(tmp_path, run_dir, runs)
 
     # Outputs a person and TensorBoard can open.
     png = tmp_path / "eval3" / "pr_curves.png"

@@ -17,11 +17,11 @@ pytestmark = pytest.mark.slow
 
 STEPS_PER_EPOCH = 228 // 12
 
-# The optimizer as setup() leaves it after a resume: each group's lr and weight decay.
+# The optimizer as start_run() leaves it after a resume: each group's lr and weight decay.
 PROBE = """
 import json, sys
-import train
-s = train.setup(sys.argv[1:])
+from ddpkit.run_setup import start_run
+s = start_run(sys.argv[1:])
 print("PROBE", json.dumps([[g["lr"], g["weight_decay"]] for g in s.optimizer.param_groups]))
 """
 

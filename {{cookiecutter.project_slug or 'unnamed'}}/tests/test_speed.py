@@ -13,9 +13,9 @@ from ddpkit.config import load_config
 from ddpkit.data import DataModule
 from ddpkit.dist_utils import DistEnv
 from ddpkit.parallel import build_model
+from ddpkit.run_state import train_step
 from ddpkit.speed import FLOAT32, Speed, grad_scaler
 from ddpkit.tasks import build_task
-from train import train_step
 
 STEPS_PER_EPOCH = TINY_SPLIT["train"] // 12  # TINY's global batch
 

@@ -1,0 +1,100 @@
+"""How a run ends: finished (the last checkpoint, the exported model, summary.json, curves.png,
+the trackers closed), preempted (a checkpoint where every rank stopped), or failed and
+interrupted (said in summary.json)."""
+
+import contextlib
+import json
+import logging
+
+from ddpkit import checkpoint, dist_utils, report
+from ddpkit.parallel import ModelState
+from ddpkit.run_state import Run
+
+log = logging.getLogger("ddp")
+
+
+def write_summary(run: Run, status: str) -> None:
+    """<run>/summary.json (rank 0): how the run stands, and its task's headline validation
+    metric, last and best (what report.py and sweep.py rank runs by)."""
+    position = run.position
+    summary = {"status": status, "step": position.step, "epoch": position.epoch,
+               "total_steps": run.total_steps, "world_size": run.env.world_size,
+               "headline": run.task.headline, "higher_is_better": run.task.higher_is_better}
+    if status != "running":
+        summary["throughput"] = run.training_log.throughput()  # this job's timed windows
+        history = report.read_run(run.run_dir)
+        values = history.val_values()
+        summary.update({"metric": f"val_{history.headline}", "best": history.best(),
+                        "last": values[-1] if values else None})
+    checkpoint.write_text(run.run_dir / report.SUMMARY_FILE, json.dumps(summary, indent=1))
+
+
+def finish(run: Run, status: str) -> None:
+    """Rank 0, after the training log is closed: summary.json, curves.png (when done), the
+    trackers' files, and the trackers closed."""
+    if not run.env.is_main:
+        return
+    write_summary(run, status)
+    files = [run.run_dir / "config.yaml", run.run_dir / report.SUMMARY_FILE]
+    if status == "done" and run.cfg.train.plot_curves:
+        files.append(report.plot_runs([report.read_run(run.run_dir)], run.run_dir
+                                      / report.CURVES_FILE, title=run.run_dir.name))
+    if run.trackers:
+        run.trackers.log_files(files, "run")
+        run.trackers.close("finished" if status == "done" else status)
+
+
+def end_run(run: Run) -> None:
+    """A finished run's records (collective), and where to find what it wrote."""
+    with dist_utils.agree_on_errors():  # summary.json, curves.png, the trackers' files
+        finish(run, "done")
+    log.info(run.training_log.describe_throughput())
+    log.info("done: checkpoints in %s, the final model in %s, TensorBoard logs in %s",
+             run.run_dir / "checkpoints", run.run_dir / checkpoint.MODEL_FILE, run.run_dir / "tb")
+    log.info("evaluate with: ./run.sh evaluate.py eval.checkpoint=%s", run.run_dir)
+
+
+def stop_for_preemption(run: Run) -> None:
+    """Save where every rank stopped, then leave with the 'preempted' status (collective)."""
+    run.save_mid_training()
+    run.checkpointer.wait()  # an asynchronous write too: on disk before the job leaves
+    run.training_log.close()
+    with dist_utils.agree_on_errors():
+        finish(run, "preempted")
+    raise dist_utils.Preempted(f"saved step {run.position.step} in {run.run_dir}; run the same "
+                               "command again to continue from there")
+
+
+@contextlib.contextmanager
+def summary_on_failure(run: Run):
+    """summary.json says how a run that did not finish ended: "failed" (an error) or
+    "interrupted" (Ctrl-C); a preemption has written "preempted" itself."""
+    try:
+        yield
+    except dist_utils.Preempted:
+        raise
+    except BaseException as error:
+        if run.env.is_main:
+            status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+            with contextlib.suppress(Exception):  # never hide the error that ended the run
+                write_summary(run, status)
+        raise
+
+
+def save_and_export(run: Run) -> None:
+    """The last checkpoint (unless the loop just saved it), on disk, the final model exported,
+    and the training log closed."""
+    if run.checkpointer.last_saved != run.position.step:
+        run.save()
+    run.checkpointer.wait()
+    export(run)
+    run.training_log.close()
+
+
+def export(run: Run) -> None:
+    """The final model as one file (collective: with FSDP the shards are gathered)."""
+    weights = ModelState(run.model, whole=True).state_dict()
+    with dist_utils.agree_on_errors():
+        if run.env.is_main:
+            checkpoint.export_model(weights, run.run_dir / checkpoint.MODEL_FILE,
+                                    run.position.step, run.cfg)

@@ -1,0 +1,146 @@
+"""Building a run: the config, the process group, the run folder, data, task, model, optimizer
+and schedule, restored from a checkpoint when there is one to resume (start_run); and the lines
+that describe it (describe)."""
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ddpkit import checkpoint, dist_utils, flops, trackers
+from ddpkit.checkpoint import Position, RunDir
+from ddpkit.config import load_config
+from ddpkit.data import DataModule
+from ddpkit.parallel import build_model, wrap_model
+from ddpkit.resume_settings import apply_changed_settings, refuse_fixed_settings
+from ddpkit.run_end import write_summary
+from ddpkit.run_state import Run
+from ddpkit.schedules import lr_schedule
+from ddpkit.smoke import smoke_test_config
+from ddpkit.speed import Speed, build_optimizer, grad_scaler, resolve_speed
+from ddpkit.speed import describe as describe_speed
+from ddpkit.tasks import Task, build_task
+from ddpkit.training_log import TrainingLog
+from ddpkit.utilization import count_flops, peak_flops
+
+log = logging.getLogger("ddp")
+
+
+def start_run(argv: list[str]) -> Run:
+    """Config, process group, run folder, data, task, model, optimizer; resumed if there is a
+    checkpoint to resume. Bad input is one line from rank 0, and leaves no run folder behind."""
+    cfg, env, device = start_processes(argv)
+    folder = checkpoint.open_run_dir(cfg, env)
+    try:
+        with dist_utils.agree_on_errors():  # bad input stops every rank together, reported once
+            torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP syncs too)
+            data = DataModule(cfg, env, device)
+            task = build_task(cfg, data.splits)
+            input_shape = task.input_shape(data.datasets["train"][0])
+            model = build_model(cfg.model, input_shape, task.num_outputs)
+            speed = resolve_speed(cfg, device, input_shape)
+            trackers.check_installed(cfg)
+        resume_from, saved_config = checkpoint_to_resume(cfg, folder.path)
+    except BaseException:
+        folder.discard_if_unused()  # a launch that failed before training leaves no folder
+        raise
+    # Per-rank seed from here on: dropout masks differ between ranks, as they would between
+    # the samples of one big batch on one process.
+    torch.manual_seed(cfg.run.seed + env.rank)
+    run = assemble(cfg, env, device, data, task, speed, model, input_shape, folder.path,
+                   resumed=resume_from is not None)
+    if resume_from:
+        restore(run, folder, resume_from, saved_config)
+    elif not folder.created:  # restarted before its first checkpoint: it logs from step 1 again
+        run.training_log.resume(run.position, truncate=True)
+    with dist_utils.agree_on_errors():  # a full disk is one line, not a traceback on rank 0
+        if env.is_main:
+            checkpoint.write_text(folder.path / "config.yaml", OmegaConf.to_yaml(cfg))
+            write_summary(run, "running")
+    if run.trackers:  # before step 1: the tracker run exists (or its failure is said) at once
+        run.trackers.start()
+    return run
+
+
+def start_processes(argv: list[str]) -> tuple[DictConfig, dist_utils.DistEnv, torch.device]:
+    """The config (cut down to a smoke test for train.fast_dev_run), logging, the device and
+    the process group."""
+    env = dist_utils.get_dist_env()
+    cfg = load_config(argv, world_size=env.world_size)
+    dist_utils.setup_logging(env)
+    if cfg.train.fast_dev_run:
+        dist_utils.no_retries()
+        cfg = smoke_test_config(cfg)
+    if cfg.ddp.debug:
+        dist_utils.debug_mode()
+    device = dist_utils.select_device(env, cfg.train.device)
+    dist_utils.init_distributed(env, device, cfg.ddp.backend, cfg.ddp.timeout_minutes)
+    return cfg, env, device
+
+
+def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> tuple[Path | None, dict | None]:
+    """The checkpoint this run resumes (None: a new run) and the config it was written with;
+    a changed setting that a resume cannot honour is one line."""
+    resume_from = checkpoint.chosen_by_rank_0(
+        functools.partial(checkpoint.checkpoint_to_resume, cfg, run_dir))
+    saved_config = None
+    if resume_from:
+        with dist_utils.agree_on_errors():  # a damaged checkpoint: one line, nothing wrapped
+            saved_config = checkpoint.load_checkpoint(resume_from).get("config")
+            refuse_fixed_settings(cfg, saved_config, resume_from)
+    return resume_from, saved_config
+
+
+def assemble(cfg: DictConfig, env: dist_utils.DistEnv, device: torch.device, data: DataModule,
+             task: Task, speed: Speed, model: torch.nn.Module, input_shape, run_dir: Path,
+             resumed: bool) -> Run:
+    """The Run at step 0: the model wrapped, its optimizer and schedule, the training log (with
+    what its MFU is measured against), the supervisor and the checkpointer."""
+    total_steps = cfg.train.epochs * data.steps_per_epoch
+    if cfg.train.max_steps:
+        total_steps = min(total_steps, cfg.train.max_steps)
+    model = wrap_model(model, cfg, env, device, speed)
+    optimizer = build_optimizer(model, cfg, speed)
+    scheduler = lr_schedule(optimizer, cfg.optim.warmup_steps, total_steps, cfg.optim.schedule)
+    tracked = trackers.Trackers(cfg, run_dir) if env.is_main and trackers.enabled(cfg) else None
+    training_log = TrainingLog(run_dir, env, device, tracked, log_every=cfg.train.log_every)
+    training_log.flops_per_sample = count_flops(cfg, data, task, input_shape)
+    training_log.peak_flops = peak_flops(cfg, device, speed)[0]
+    return Run(cfg, env, device, data, task, speed, model, optimizer, scheduler,
+               grad_scaler(speed, device), training_log, run_dir, Position(), total_steps,
+               resumed=resumed, supervisor=dist_utils.Supervisor(env, cfg.ddp.timeout_minutes),
+               checkpointer=checkpoint.Checkpointer(run_dir, cfg, env), trackers=tracked)
+
+
+def restore(run: Run, folder: RunDir, resume_from: Path, saved_config: dict | None) -> None:
+    """The run put back where the checkpoint left it, this run's changed settings in effect."""
+    try:
+        with dist_utils.agree_on_errors():  # into the wrapped model: each rank its part
+            run.position = checkpoint.restore(resume_from, run.parts(), run.env)
+    except BaseException:
+        folder.discard_if_unused()
+        raise
+    checkpoint.release(resume_from)  # read on every rank: this run's saves may prune it
+    run.checkpointer.last_saved = run.position.step  # saved already: not again at the end
+    run.training_log.resume(run.position, truncate=run.position.step < run.total_steps)
+    apply_changed_settings(run, saved_config)
+    log.info("resumed from %s: step %d, epoch %d, %d step(s) into it", resume_from,
+             run.position.step, run.position.epoch + 1, run.position.step_in_epoch)
+
+
+def describe(run: Run) -> None:
+    """What runs where: the folder, the processes and devices, the batch, the FLOPs."""
+    cfg, env, data = run.cfg, run.env, run.data
+    log.info("run folder: %s", run.run_dir)
+    log.info("%d process(es) on %s, backend %s, %s | %s task, %d outputs | %d steps per epoch, "
+             "%d steps", env.world_size, run.device, dist_utils.backend_name(),
+             describe_speed(run.speed), cfg.task.name or data.splits.task, run.task.num_outputs,
+             data.steps_per_epoch, run.total_steps)
+    log.info("effective global batch %d = %d per micro-batch x %d process(es) x %d "
+             "accumulation step(s)", data.micro_batch_size * env.world_size
+             * cfg.train.grad_accum_steps, data.micro_batch_size, env.world_size,
+             cfg.train.grad_accum_steps)
+    peak, device_name = peak_flops(cfg, run.device, run.speed)
+    log.info(flops.describe(run.training_log.flops_per_sample, peak, device_name, run.device))

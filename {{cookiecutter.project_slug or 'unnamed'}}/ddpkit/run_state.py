@@ -1,0 +1,146 @@
+"""A training run as the loop sees it (Run: what it trains, with what, and where it is), and the
+learner's work of one step (train_step, forward_backward, epoch_steps)."""
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from ddpkit import checkpoint, dist_utils, trackers
+from ddpkit.checkpoint import Position
+from ddpkit.data import DataModule, count_samples, detached, to_device
+from ddpkit.evaluation import loss_terms
+from ddpkit.parallel import ModelState, full_tensor, settle_gradient_buckets, skip_gradient_sync
+from ddpkit.speed import FLOAT32, Speed
+from ddpkit.tasks import Task
+from ddpkit.training_log import TrainingLog
+
+
+@dataclass
+class Run:
+    """What the loop works with: built once by run_setup.start_run, then only read (but the
+    position, which the loop advances)."""
+
+    cfg: DictConfig
+    env: dist_utils.DistEnv
+    device: torch.device
+    data: DataModule
+    task: Task
+    speed: Speed
+    model: torch.nn.Module  # wrapped (DDP, compiled) as wrap_model made it
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None
+    training_log: TrainingLog
+    run_dir: Path
+    position: Position
+    total_steps: int
+    resumed: bool
+    supervisor: dist_utils.Supervisor  # preemption signals and stalls
+    checkpointer: checkpoint.Checkpointer  # knows when a checkpoint is due, and the last saved
+    trackers: trackers.Trackers | None  # MLflow / W&B, rank 0 only, when the config asks
+    buckets_settled: bool = False  # resumed: see epoch_steps
+
+    def parts(self) -> dict:
+        """Everything a checkpoint saves and a resume restores, by name."""
+        # Model and optimizer keyed by parameter name, each rank its part (checkpoint.py), so a
+        # checkpoint resumes at any process count and with either strategy.
+        return {"model": ModelState(self.model), "optimizer": ModelState(self.model,
+                self.optimizer), "scheduler": self.scheduler, "scaler": self.scaler,
+                "train_log": self.training_log}
+
+    def lr(self) -> float:
+        """The learning rate of the step about to run (the first parameter group's)."""
+        return self.scheduler.get_last_lr()[0]
+
+    def save(self) -> None:
+        """A checkpoint of where training is (collective)."""
+        self.checkpointer.save(self.parts(), self.position, self.cfg)
+
+    def save_mid_training(self) -> None:
+        """A checkpoint during the steps (a periodic one, or a preemption's): the log's window
+        ends at it first, so the resumed run's windows are those of an uninterrupted one."""
+        self.training_log.flush(self.position.step, self.lr())
+        self.save()
+
+
+def epoch_steps(run: Run):
+    """The micro-batches of the epoch's steps from the position on. The first step of a resumed
+    process runs its first micro-batch once more before, thrown away: DDP then all-reduces in
+    the bucket layout the uninterrupted run had at that step (parallel.settle_gradient_buckets),
+    and the resumed run stays bitwise equal to it at any process count."""
+    for micro_batches in run.data.train_steps(run.position.epoch, run.position.step_in_epoch):
+        if run.resumed and not run.buckets_settled:
+            settle_gradient_buckets(run.model, functools.partial(
+                forward_backward, run.model, micro_batches[0], run.task, run.device, run.speed,
+                None))
+            run.buckets_settled = True
+        yield micro_batches
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
+               task: Task, device: torch.device, speed: Speed = FLOAT32,
+               scaler: torch.amp.GradScaler | None = None, grad_clip: float = 0.0
+               ) -> tuple[dict[str, torch.Tensor], int, torch.Tensor | None]:
+    """One optimizer step over this rank's micro-batches. Returns the step's logged values
+    (means over its samples: the loss, its named terms, the task's train_scalars), its sample
+    count, and the gradient norm before clipping (None without clipping). Tensors stay on the
+    device: reading them would make the CPU wait for the GPU.
+
+    With several micro-batches (gradient accumulation) the gradients are all-reduced once, on
+    the last one: the others run forward *and* backward inside no_sync(), since DDP decides in
+    forward whether the coming backward will communicate.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    if len(micro_batches) == 1:  # no accumulation: the common case, with no bookkeeping
+        samples = count_samples(micro_batches[0])
+        values = forward_backward(model, micro_batches[0], task, device, speed, scaler)
+    else:
+        sizes = [count_samples(batch) for batch in micro_batches]
+        samples = sum(sizes)
+        values = {}
+        for index, (batch, size) in enumerate(zip(micro_batches, sizes, strict=True)):
+            # Each micro-batch's mean loss weighted by its share of the step's samples: the
+            # accumulated gradient is that of the mean over the whole step, as without
+            # accumulation. On the last micro-batch DDP averages the gradients over ranks.
+            share = size / samples
+            with (skip_gradient_sync(model) if index < len(micro_batches) - 1
+                  else contextlib.nullcontext()):
+                part = forward_backward(model, batch, task, device, speed, scaler, share)
+            for name, value in part.items():
+                values[name] = values[name] + value if name in values else value
+    grad_norm = None
+    if grad_clip:
+        if scaler:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
+        # The gradients are already averaged over ranks, so every rank computes the same norm.
+        # (With FSDP each rank holds a shard: the norm is over all shards, the same everywhere.)
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    if scaler:
+        scaler.step(optimizer)  # skipped if fp16 overflowed; the scale then shrinks
+        scaler.update()
+    else:
+        optimizer.step()
+    return values, samples, grad_norm
+
+
+def forward_backward(model: torch.nn.Module, batch, task: Task, device: torch.device,
+                     speed: Speed, scaler: torch.amp.GradScaler | None, share: float = 1.0
+                     ) -> dict[str, torch.Tensor]:
+    """Forward and backward of one micro-batch whose loss counts `share` of the step's; returns
+    its logged values (detached), times `share`."""
+    batch = to_device(batch, device)
+    with speed.autocast(device):
+        outputs = model(speed.inputs(task.model_inputs(batch)))
+        terms = loss_terms(task.loss(outputs, batch))
+    loss = terms["loss"] if share == 1 else terms["loss"] * share
+    (scaler.scale(loss) if scaler else loss).backward()
+    # The task's scalars are computed from outputs cut off the graph: they build none, with no
+    # no_grad() context to enter and leave every step.
+    terms.update(task.train_scalars(detached(outputs), batch))
+    if share == 1:
+        return {name: value.detach() for name, value in terms.items()}
+    return {name: value.detach() * share for name, value in terms.items()}
