@@ -130,23 +130,28 @@ def test_a_grid_of_two_process_trials_survives_a_bad_one_reruns_it_alone_and_ran
     assert "does not divide" in rows[3]["error"]
     assert (folder / "summary.md").read_text().count("| trial-") == 4
     assert matplotlib.image.imread(folder / "summary.png").shape[0] > 100
+    trials_are_ordinary_runs(folder, good, rows, tmp_path / "report")
 
-    # Each trial is an ordinary run: its curves, and report.py over two of them.
+
+def trials_are_ordinary_runs(folder, good: list[str], rows: list[dict], out) -> None:
+    """Each trial of a sweep is an ordinary run: its curves, and report.py over two of them."""
+    import matplotlib.image
+
     height, width, _ = matplotlib.image.imread(folder / good[0] / "curves.png").shape
     assert width > 2 * height  # three panels side by side
     report = run([sys.executable, "report.py", str(folder / good[0]), str(folder / good[1]),
-                  "--out", str(tmp_path / "report")])
+                  "--out", str(out)])
     assert report.returncode == 0, report.stdout
-    assert matplotlib.image.imread(tmp_path / "report" / "report.png").shape[0] > 100
+    assert matplotlib.image.imread(out / "report.png").shape[0] > 100
     ranked = [line.split(",")[0] for line in
-              (tmp_path / "report" / "report.csv").read_text().splitlines()[1:]]
+              (out / "report.csv").read_text().splitlines()[1:]]
     by_trial = {row["trial"]: float(row["best"]) for row in rows[:3]}
     assert ranked == sorted(good[:2], key=lambda t: -by_trial[t])
-    missing = run([sys.executable, "report.py", str(tmp_path / "nowhere")])
+    missing = run([sys.executable, "report.py", str(out / "nowhere")])
     assert missing.returncode == 2 and missing.stdout.count("error:") == 1
     # Everything in the sweep folder, as `report.py runs/*` names mlflow.db and the like.
     everything = run([sys.executable, "report.py", *map(str, sorted(folder.iterdir())),
-                      "--out", str(tmp_path / "report")])
+                      "--out", str(out)])
     assert everything.returncode == 0, everything.stdout
     assert everything.stdout.count("skipped (not run folders of train.py): logs, summary.csv, "
                                    "summary.md, summary.png, sweep.json") == 1, everything.stdout
