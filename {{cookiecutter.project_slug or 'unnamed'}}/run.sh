@@ -108,8 +108,9 @@ else
               --rdzv-conf="join_timeout=$join_timeout")
 fi
 
-# The project's packages (pyproject.toml's dependencies: the name to import, then pip's), looked
-# up without importing them, so that a Python without them gets one line instead of a traceback.
+# The packages training needs (pyproject.toml's dependencies but optuna, which only sweep.py
+# imports: the name to import, then pip's), looked up without importing them, so that a Python
+# without them gets one line instead of a traceback.
 packages=(torch:torch numpy:numpy omegaconf:omegaconf sklearn:scikit-learn tensorboard:tensorboard
           matplotlib:matplotlib tqdm:tqdm)
 if ! command -v "$python" >/dev/null 2>&1; then
