@@ -65,7 +65,8 @@ def build_schedule(optimizer: torch.optim.Optimizer, cfg: DictConfig, total: int
         plateau = ReduceLROnPlateau(
             optimizer, mode="max" if higher_is_better else "min", factor=cfg.optim.gamma,
             patience=cfg.optim.plateau_patience,
-            min_lr=[cfg.optim.min_lr_ratio * group["lr"] for group in optimizer.param_groups])
+            min_lr=[cfg.optim.min_lr_ratio * group["lr"] for group in optimizer.param_groups],
+            eps=0.0)  # the floor is min_lr (torch's eps=1e-8 would stop every cut of a rate < 1e-8)
         return warmup_only(optimizer, cfg.optim.warmup_steps), plateau
     if name in SCHEDULE_NAMES:
         # torch's CosineAnnealingLR / LinearLR take one absolute floor (eta_min), not a share of
