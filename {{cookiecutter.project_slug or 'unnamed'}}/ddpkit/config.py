@@ -177,7 +177,8 @@ class SpeedConfig:
     channels_last: bool | None = None  # null: auto (true for image batches on CUDA)
     compile: bool = False  # torch.compile the model: faster steps after a slower first one
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune
-    fused_adamw: bool | None = None  # null: auto (true on CUDA and CPU): AdamW in one kernel
+    # null: auto (true on CUDA and CPU): optim.name=adamw or adam in one kernel where torch has it
+    fused_adamw: bool | None = None
 
 
 @dataclass
