@@ -14,6 +14,27 @@ outputs the task needs. Keep the distributed parts out: ddpkit/parallel.py place
 device and wraps it. Every command loads this file (ddpkit/recipes.py) before it looks a model up,
 so every entry you add here is seen. The built-in models (mlp, cnn) live in ddpkit/models.py, which
 is the template's. A setting of your own (`model.<name>`) is declared in settings.py.
+
+The optimizer and the schedule come from the `optim` settings (docs/optimization.md); three
+optional hooks take over where settings are not enough. Each gets the whole config (`cfg.optim`):
+
+    def my_groups(model: nn.Module, cfg: DictConfig) -> list[dict]:  # optim.param_groups=mine
+        head = list(model.head.parameters())  # model: your module, unwrapped (names as yours)
+        body = [p for p in model.parameters() if all(p is not q for q in head)]
+        return [{"params": body, "lr": cfg.optim.lr / 10}, {"params": head, "weight_decay": 0.0}]
+
+    PARAM_GROUPS["mine"] = my_groups  # frozen parameters (requires_grad False) are left out
+
+    def my_optimizer(groups: list[dict], cfg: DictConfig) -> torch.optim.Optimizer:
+        return torch.optim.SGD(groups, lr=cfg.optim.lr, momentum=0.9)
+
+    OPTIMIZERS["my_sgd"] = my_optimizer  # optim.name=my_sgd; groups: yours or the default ones
+
+    def my_schedule(optimizer, cfg: DictConfig, total_steps: int):
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, cfg.optim.lr, total_steps)
+
+    SCHEDULES["one_cycle"] = my_schedule  # optim.schedule=one_cycle; stepped every optimizer
+    # step (a ReduceLROnPlateau is stepped after each validation with the headline metric)
 """
 
 import math  # noqa: F401
@@ -24,3 +45,5 @@ from torch import nn  # noqa: F401
 
 from ddpkit.config import UserError  # noqa: F401
 from ddpkit.models import MODELS  # noqa: F401
+from ddpkit.optimizers import OPTIMIZERS, PARAM_GROUPS  # noqa: F401
+from ddpkit.schedules import SCHEDULES  # noqa: F401

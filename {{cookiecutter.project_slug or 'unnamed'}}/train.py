@@ -113,6 +113,7 @@ def validate(run: Run) -> None:
     if val is None:
         stop_for_preemption(run)
     record = run.training_log.end_epoch(position.epoch + 1, position.step, scalars(val))
+    run.validated(record)  # a plateau schedule steps on the headline metric
     log.info("epoch %3d/%d  step %5d  %s", position.epoch + 1, run.cfg.train.epochs,
              position.step, "  ".join(f"{name} {value:.4f}" for name, value in record.items()
                                       if isinstance(value, float)))

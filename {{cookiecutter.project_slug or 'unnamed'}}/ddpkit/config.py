@@ -15,6 +15,7 @@ import math
 import sys
 from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
+from typing import Any, get_args, get_origin
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -74,10 +75,24 @@ class TaskConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 0.002
+    # Any torch.optim optimizer by class name, case-insensitive (adamw, adam, sgd, rmsprop, ...),
+    # or a key of OPTIMIZERS (model.py). docs/optimization.md
+    name: str = "adamw"
+    lr: float = 0.002  # each parameter group's base rate (your groups may set their own)
+    # Biases and normalisation weights get none (or your groups' own, optim.param_groups)
     weight_decay: float = 0.01
-    warmup_steps: int = 20
-    schedule: str = "cosine"  # cosine | constant (after warmup)
+    # The optimizer's other keyword arguments: optim.args.momentum=0.9 optim.args.nesterov=true
+    args: dict[str, Any] = field(default_factory=dict)
+    param_groups: str = ""  # a key of PARAM_GROUPS (model.py); "": decay / no-decay groups
+    warmup_steps: int = 20  # linear warmup from lr / warmup_steps to lr
+    # After warmup: cosine | linear | step | multistep | constant | plateau, or a key of
+    # SCHEDULES (model.py)
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.0  # the floor of every schedule, as a share of each group's lr
+    step_size: int = 0  # step: optimizer steps between decays (counted from step 0)
+    milestones: list[int] = field(default_factory=list)  # multistep: the steps that decay
+    gamma: float = 0.1  # step, multistep, plateau: the factor of each decay
+    plateau_patience: int = 2  # plateau: validations without improvement before a decay
     grad_clip: float = 0.0  # clip the global gradient norm to this; 0: no clipping
 
 
@@ -162,7 +177,8 @@ class SpeedConfig:
     channels_last: bool | None = None  # null: auto (true for image batches on CUDA)
     compile: bool = False  # torch.compile the model: faster steps after a slower first one
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune
-    fused_adamw: bool | None = None  # null: auto (true on CUDA and CPU): AdamW in one kernel
+    # null: auto (true on CUDA and CPU): optim.name=adamw or adam in one kernel where torch has it
+    fused_adamw: bool | None = None
 
 
 @dataclass
@@ -214,9 +230,10 @@ def schema() -> type:
     return make_dataclass("Config", sections, bases=(Config,))
 
 
+# The built-in schedules (ddpkit/schedules.py); optim.schedule may also name one of yours.
+SCHEDULE_NAMES = ("cosine", "linear", "step", "multistep", "constant", "plateau")
 CHOICES = {
     "data.worker_start_method": ("forkserver", "spawn", "fork"),
-    "optim.schedule": ("cosine", "constant"),
     "train.device": ("auto", "cuda", "cpu"),
     "tracking.wandb_mode": ("auto", "online", "offline"),
     "ddp.backend": ("auto", "nccl", "gloo"),
@@ -236,12 +253,14 @@ POSITIVE = (
 )
 NON_NEGATIVE = (
     "data.num_workers", "model.num_layers", "optim.weight_decay", "optim.warmup_steps",
-    "optim.grad_clip",
+    "optim.grad_clip", "optim.step_size", "optim.plateau_patience",
     "train.ckpt_every", "train.max_steps", "train.keep_checkpoints", "eval.binned_thresholds",
     "train.limit_train_batches", "train.limit_val_batches",
 )
 TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string",
-              bool | None: "true, false or null (null: chosen automatically)"}
+              bool | None: "true, false or null (null: chosen automatically)",
+              list[int]: "a list of whole numbers, e.g. [100,200]",
+              dict[str, Any]: "a mapping of names to values, e.g. optim.args.momentum=0.9"}
 
 # Old launchers (`python -m torch.distributed.launch`) append --local_rank=N / --local-rank=N.
 # torchrun puts the same value in LOCAL_RANK, which is what dist_utils reads.
@@ -249,9 +268,13 @@ LAUNCHER_FLAGS = ("--local_rank", "--local-rank")
 
 
 def schema_type(dotted_key: str):
-    """The Python type the schema declares for `section.key`, or None if there is no such key."""
+    """The Python type the schema declares for `section.key`, or None if there is no such key.
+    Any key of a mapping (optim.args.<name>) is one: its type is the mapping's value type."""
     node = schema()
     for part in dotted_key.split("."):
+        if get_origin(node) is dict:
+            node = get_args(node)[1]
+            continue
         if not is_dataclass(node):
             return None
         match = [f for f in fields(node) if f.name == part]
@@ -381,8 +404,29 @@ def _check_values(cfg: DictConfig, world_size: int | None) -> None:
         if value >= 1 and value != int(value):
             raise UserError(f"{key}={value} is not valid: give a whole number of batches, a "
                             "fraction below 1, or 0 for all of them")
+    _check_schedule(cfg.optim)
     if world_size is not None:
         check_batch_divides(cfg, world_size)
+
+
+def _check_schedule(optim: DictConfig) -> None:
+    """The schedule's numbers (its name is checked when it is built: yours live in model.py)."""
+    if not 0 <= optim.min_lr_ratio <= 1:
+        raise UserError(f"optim.min_lr_ratio={optim.min_lr_ratio} is not valid: it must be "
+                        "between 0 and 1 (a share of each group's learning rate)")
+    if not 0 < optim.gamma < 1:
+        raise UserError(f"optim.gamma={optim.gamma} is not valid: it must be above 0 and below 1 "
+                        "(the factor of each decay)")
+    milestones = list(optim.milestones)
+    if any(m <= 0 for m in milestones) or milestones != sorted(set(milestones)):
+        raise UserError(f"optim.milestones={milestones} is not valid: give increasing step "
+                        "numbers above 0, e.g. optim.milestones=[1000,2000]")
+    if optim.schedule == "step" and not optim.step_size:
+        raise UserError("optim.schedule=step needs optim.step_size, the optimizer steps between "
+                        "decays, e.g. optim.step_size=1000")
+    if optim.schedule == "multistep" and not milestones:
+        raise UserError("optim.schedule=multistep needs optim.milestones, the steps that decay, "
+                        "e.g. optim.milestones=[1000,2000]")
 
 
 def check_batch_divides(cfg: DictConfig, world_size: int) -> None:

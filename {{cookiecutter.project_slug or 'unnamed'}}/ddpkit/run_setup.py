@@ -9,17 +9,17 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ddpkit import checkpoint, dist_utils, flops, trackers
+from ddpkit import checkpoint, dist_utils, flops, optimizers, trackers
 from ddpkit.checkpoint import Position, RunDir
-from ddpkit.config import load_config
+from ddpkit.config import SCHEDULE_NAMES, load_config
 from ddpkit.data import DataModule
 from ddpkit.parallel import build_model, wrap_model
 from ddpkit.resume_settings import apply_changed_settings, refuse_fixed_settings
 from ddpkit.run_end import write_summary
 from ddpkit.run_state import Run
-from ddpkit.schedules import lr_schedule
+from ddpkit.schedules import build_schedule, schedule_builder
 from ddpkit.smoke import smoke_test_config
-from ddpkit.speed import Speed, build_optimizer, grad_scaler, resolve_speed
+from ddpkit.speed import Speed, grad_scaler, resolve_speed
 from ddpkit.speed import describe as describe_speed
 from ddpkit.tasks import Task, build_task
 from ddpkit.training_log import TrainingLog
@@ -41,6 +41,7 @@ def start_run(argv: list[str]) -> Run:
             input_shape = task.input_shape(data.datasets["train"][0])
             model = build_model(cfg.model, input_shape, task.num_outputs)
             speed = resolve_speed(cfg, device, input_shape)
+            check_optim(cfg)
             trackers.check_installed(cfg)
         resume_from, saved_config = checkpoint_to_resume(cfg, folder.path)
     except BaseException:
@@ -80,6 +81,14 @@ def start_processes(argv: list[str]) -> tuple[DictConfig, dist_utils.DistEnv, to
     return cfg, env, device
 
 
+def check_optim(cfg: DictConfig) -> None:
+    """The optimizer's name and arguments and the schedule's name, before any folder or model
+    is made: a mistake is one line naming the key."""
+    optimizers.check_optimizer(cfg)
+    if cfg.optim.schedule not in SCHEDULE_NAMES:
+        schedule_builder(cfg.optim.schedule)
+
+
 def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> tuple[Path | None, dict | None]:
     """The checkpoint this run resumes (None: a new run) and the config it was written with;
     a changed setting that a resume cannot honour is one line."""
@@ -102,8 +111,10 @@ def assemble(cfg: DictConfig, env: dist_utils.DistEnv, device: torch.device, dat
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
     model = wrap_model(model, cfg, env, device, speed)
-    optimizer = build_optimizer(model, cfg, speed)
-    scheduler = lr_schedule(optimizer, cfg.optim.warmup_steps, total_steps, cfg.optim.schedule)
+    with dist_utils.agree_on_errors():  # your param_groups / optimizer / schedule builders
+        optimizer = optimizers.build_optimizer(model, cfg, speed.fused_adamw)
+        scheduler, plateau = build_schedule(optimizer, cfg, total_steps,
+                                            task.higher_is_better)
     tracked = trackers.Trackers(cfg, run_dir) if env.is_main and trackers.enabled(cfg) else None
     training_log = TrainingLog(run_dir, env, device, tracked, log_every=cfg.train.log_every)
     training_log.flops_per_sample = count_flops(cfg, data, task, input_shape)
@@ -111,7 +122,8 @@ def assemble(cfg: DictConfig, env: dist_utils.DistEnv, device: torch.device, dat
     return Run(cfg, env, device, data, task, speed, model, optimizer, scheduler,
                grad_scaler(speed, device), training_log, run_dir, Position(), total_steps,
                resumed=resumed, supervisor=dist_utils.Supervisor(env, cfg.ddp.timeout_minutes),
-               checkpointer=checkpoint.Checkpointer(run_dir, cfg, env), trackers=tracked)
+               checkpointer=checkpoint.Checkpointer(run_dir, cfg, env), trackers=tracked,
+               plateau=plateau)
 
 
 def restore(run: Run, folder: RunDir, resume_from: Path, saved_config: dict | None) -> None:
@@ -142,5 +154,17 @@ def describe(run: Run) -> None:
              "accumulation step(s)", data.micro_batch_size * env.world_size
              * cfg.train.grad_accum_steps, data.micro_batch_size, env.world_size,
              cfg.train.grad_accum_steps)
+    log.info("%s | %s", optimizers.describe(run.optimizer, not cfg.optim.param_groups),
+             describe_schedule(cfg, run.plateau is not None))
     peak, device_name = peak_flops(cfg, run.device, run.speed)
     log.info(flops.describe(run.training_log.flops_per_sample, peak, device_name, run.device))
+
+
+def describe_schedule(cfg: DictConfig, plateau: bool) -> str:
+    optim = cfg.optim
+    warmup = f"{optim.warmup_steps} warmup steps, then " if optim.warmup_steps else ""
+    if plateau:
+        return (f"schedule: {warmup}x {optim.gamma:g} after {optim.plateau_patience} "
+                "validation(s) without improvement (plateau)")
+    floor = f" (floor {optim.min_lr_ratio:g} x lr)" if optim.min_lr_ratio else ""
+    return f"schedule: {warmup}{optim.schedule}{floor}"

@@ -42,6 +42,8 @@ class Run:
     supervisor: dist_utils.Supervisor  # preemption signals and stalls
     checkpointer: checkpoint.Checkpointer  # knows when a checkpoint is due, and the last saved
     trackers: trackers.Trackers | None  # MLflow / W&B, rank 0 only, when the config asks
+    # optim.schedule=plateau: stepped after each validation with the headline metric
+    plateau: torch.optim.lr_scheduler.ReduceLROnPlateau | None = None
     buckets_settled: bool = False  # resumed: see epoch_steps
 
     def parts(self) -> dict:
@@ -50,11 +52,18 @@ class Run:
         # checkpoint resumes at any process count and with either strategy.
         return {"model": ModelState(self.model), "optimizer": ModelState(self.model,
                 self.optimizer), "scheduler": self.scheduler, "scaler": self.scaler,
-                "train_log": self.training_log}
+                "train_log": self.training_log, "plateau": self.plateau}
 
     def lr(self) -> float:
-        """The learning rate of the step about to run (the first parameter group's)."""
-        return self.scheduler.get_last_lr()[0]
+        """The learning rate of the step about to run (the first parameter group's), as the
+        optimizer holds it: whichever scheduler set it last (per step, plateau, a resume)."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def validated(self, record: dict) -> None:
+        """After a validation: a plateau schedule weighs the task's headline metric (the same
+        on every rank, so every rank cuts the rate together)."""
+        if self.plateau is not None:
+            self.plateau.step(record[f"val_{self.task.headline}"])
 
     def save(self) -> None:
         """A checkpoint of where training is (collective)."""

@@ -28,7 +28,7 @@ class Speed:
     channels_last: bool
     compile: bool
     compile_mode: str
-    fused_adamw: bool
+    fused_adamw: bool  # Adam / AdamW in one kernel where PyTorch has it (ddpkit/optimizers.py)
 
     def autocast(self, device: torch.device):
         """Mixed precision for forward and loss (backward follows the forward's dtypes)."""
@@ -104,11 +104,6 @@ def grad_scaler(speed: Speed, device: torch.device) -> torch.amp.GradScaler | No
     return torch.amp.GradScaler(device.type)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: DictConfig, speed: Speed) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
-                             weight_decay=cfg.optim.weight_decay, fused=speed.fused_adamw or None)
-
-
 def describe(speed: Speed) -> str:
     names = {dtype: name for name, dtype in AUTOCAST_DTYPES.items()}
     dtype = names.get(speed.autocast_dtype, "fp32")
@@ -117,6 +112,4 @@ def describe(speed: Speed) -> str:
         parts.append("channels_last")
     if speed.compile:
         parts.append(f"torch.compile ({speed.compile_mode})")
-    if speed.fused_adamw:
-        parts.append("fused AdamW")
     return ", ".join(parts)

@@ -144,6 +144,14 @@ def mlp(cfg, input_shape, num_outputs: int) -> nn.Module:
                cfg.dropout, cfg.batchnorm)
 
 
+def two_groups(model: nn.Module, cfg) -> list[dict]:
+    """Parameter groups of a user's own (optim.param_groups): the first layer at half the
+    learning rate and without weight decay, the rest on the optim settings."""
+    first = list(model.net[0].parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    return [{"params": first, "lr": cfg.optim.lr / 2, "weight_decay": 0.0}, {"params": rest}]
+
+
 class ConvNet(nn.Module):
     def __init__(self, channels: int, width: int, outputs: int, batchnorm: bool):
         super().__init__()

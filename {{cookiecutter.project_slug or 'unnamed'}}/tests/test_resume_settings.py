@@ -47,11 +47,13 @@ def test_a_new_learning_rate_and_weight_decay_take_effect_at_the_resumed_step(tm
                 f"run.dir={reference}"]).returncode == 0
 
     # What the optimizer holds once resumed: the new values, the schedule's factor kept.
-    [[lr, weight_decay]] = probe(*TINY, "train.epochs=2", "optim.lr=0.02",
-                                 "optim.weight_decay=0.3", f"run.dir={tmp_path / 'probe'}",
-                                 f"train.resume={list_checkpoints(first / 'checkpoints')[-1]}")
-    assert weight_decay == 0.3
-    assert lr == pytest.approx(2 * lr_by_step(reference)[STEPS_PER_EPOCH])
+    # Weights decay at the new rate; biases still do not.
+    [[lr, weight_decay], [bias_lr, bias_decay]] = probe(
+        *TINY, "train.epochs=2", "optim.lr=0.02", "optim.weight_decay=0.3",
+        f"run.dir={tmp_path / 'probe'}",
+        f"train.resume={list_checkpoints(first / 'checkpoints')[-1]}")
+    assert (weight_decay, bias_decay) == (0.3, 0.0)
+    assert lr == bias_lr == pytest.approx(2 * lr_by_step(reference)[STEPS_PER_EPOCH])
 
     resumed = run([sys.executable, "train.py", *TINY, "train.epochs=2", "optim.lr=0.02",
                    f"run.dir={first}"])
@@ -79,7 +81,8 @@ def stopped_at_step_10(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("setting", ["train.global_batch_size=24", "run.seed=3",
-                                     "data.split_seed=5"])
+                                     "data.split_seed=5", "optim.name=sgd",
+                                     "optim.schedule=plateau"])
 def test_a_setting_a_resume_cannot_honour_is_refused_in_one_line(tmp_path, setting,
                                                                   stopped_at_step_10):
     first = Path(shutil.copytree(stopped_at_step_10, tmp_path / "first",
