@@ -15,6 +15,13 @@ import pytest
 
 PROJECT = Path(__file__).resolve().parents[1]
 
+# A suite started in the background of a shell without job control (`pytest ... &` in a script)
+# inherits SIGINT ignored, and so would every run.sh it starts: bash cannot trap a signal that was
+# ignored when it started, so the Ctrl-C tests would see the job run on. Handled here, SIGINT is
+# back to its default in every child.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def fixture(name: str) -> str:
     """How a run names a builder of tests/fixtures.py (the tests' own data and models)."""
