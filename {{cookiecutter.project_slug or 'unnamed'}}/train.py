@@ -26,7 +26,6 @@ from tqdm import tqdm
 
 from ddpkit import dist_utils, recipes
 from ddpkit.evaluation import evaluate_split, scalars
-from ddpkit.parallel import with_rank0_buffers
 from ddpkit.profiling import StepProfiler
 from ddpkit.run_end import end_run, save_and_export, stop_for_preemption, summary_on_failure
 from ddpkit.run_setup import describe, start_run
@@ -101,12 +100,11 @@ def progress_bar(run: Run) -> tqdm:
 
 
 def validate(run: Run) -> None:
-    """The epoch's validation: the exact, sharded evaluation of evaluate.py, on the unwrapped
-    model (the same on every rank: BatchNorm statistics are rank 0's, as DDP's next forward has
-    them); then the epoch's record. Preempted during it, the run stops and validates again
-    after the resume."""
+    """The epoch's validation: the exact, sharded evaluation of evaluate.py, on the user's module
+    (compiled when training is; the same on every rank); then the epoch's record. Preempted
+    during it, the run stops and validates again after the resume."""
     position = run.position
-    val = evaluate_split(with_rank0_buffers(run.model),
+    val = evaluate_split(run.model_for_evaluation(),
                          run.data.eval_loader("val", run.cfg.train.limit_val_batches),
                          run.device, run.task, run.speed, run.cfg.eval.binned_thresholds,
                          detail=False, supervisor=run.supervisor)

@@ -164,9 +164,22 @@ def wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv, device: torch.de
             gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
         )
     if speed.compile:
-        model = torch.compile(model, mode=None if speed.compile_mode == "default"
-                              else speed.compile_mode)
+        model = _compiled(model, speed)
     return model
+
+
+def _compiled(model: nn.Module, speed: Speed) -> nn.Module:
+    mode = None if speed.compile_mode == "default" else speed.compile_mode
+    return torch.compile(model, mode=mode)
+
+
+def for_evaluation(model: nn.Module, speed: Speed) -> nn.Module:
+    """The module validation runs: the user's inside the wrappers (no DDP: evaluation has no
+    gradients to all-reduce), compiled when training is. Compiling it apart shares the
+    parameters and buffers, and traces its own graphs for eval mode without gradients; build it
+    once per run, as each compilation is paid once."""
+    inner = unwrap(model)
+    return _compiled(inner, speed) if speed.compile else inner
 
 
 def settle_gradient_buckets(model: nn.Module, forward_backward: Callable[[], object]) -> None:

@@ -13,7 +13,14 @@ from ddpkit import checkpoint, dist_utils, trackers
 from ddpkit.checkpoint import Position
 from ddpkit.data import DataModule, count_samples, detached, to_device
 from ddpkit.evaluation import loss_terms
-from ddpkit.parallel import ModelState, full_tensor, settle_gradient_buckets, skip_gradient_sync
+from ddpkit.parallel import (
+    ModelState,
+    for_evaluation,
+    full_tensor,
+    settle_gradient_buckets,
+    skip_gradient_sync,
+    with_rank0_buffers,
+)
 from ddpkit.speed import FLOAT32, Speed
 from ddpkit.tasks import Task
 from ddpkit.training_log import TrainingLog
@@ -45,6 +52,7 @@ class Run:
     # optim.schedule=plateau: stepped after each validation with the headline metric
     plateau: torch.optim.lr_scheduler.ReduceLROnPlateau | None = None
     buckets_settled: bool = False  # resumed: see epoch_steps
+    evaluated: torch.nn.Module | None = None  # parallel.for_evaluation's, when compiling
 
     def parts(self) -> dict:
         """Everything a checkpoint saves and a resume restores, by name."""
@@ -53,6 +61,15 @@ class Run:
         return {"model": ModelState(self.model), "optimizer": ModelState(self.model,
                 self.optimizer), "scheduler": self.scheduler, "scaler": self.scaler,
                 "train_log": self.training_log, "plateau": self.plateau}
+
+    def model_for_evaluation(self) -> torch.nn.Module:
+        """What validation and the smoke test's test batch run: the user's module, compiled when
+        training is, its buffers (BatchNorm statistics) rank 0's on every rank, as DDP's next
+        forward has them (collective)."""
+        with_rank0_buffers(self.model)
+        if self.evaluated is None:
+            self.evaluated = for_evaluation(self.model, self.speed)
+        return self.evaluated
 
     def lr(self) -> float:
         """The learning rate of the step about to run (the first parameter group's), as the

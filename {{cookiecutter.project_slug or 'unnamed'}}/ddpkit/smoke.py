@@ -10,7 +10,6 @@ import time
 from omegaconf import DictConfig, OmegaConf
 
 from ddpkit.evaluation import evaluate_split
-from ddpkit.parallel import with_rank0_buffers
 from ddpkit.run_end import save_and_export
 from ddpkit.run_state import Run
 
@@ -47,7 +46,7 @@ def end_smoke_test(run: Run, started: float) -> None:
     """After the smoke test's training steps: a checkpoint, the export, one test batch on every
     rank; then "ok" with what ran."""
     save_and_export(run)
-    test = evaluate_split(with_rank0_buffers(run.model), run.data.eval_loader("test", limit=1),
+    test = evaluate_split(run.model_for_evaluation(), run.data.eval_loader("test", limit=1),
                           run.device, run.task, run.speed, run.cfg.eval.binned_thresholds,
                           detail=False)
     loss, test_loss = run.training_log.last.get("loss", math.nan), test.get("loss", math.nan)

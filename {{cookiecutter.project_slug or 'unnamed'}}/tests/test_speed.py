@@ -1,5 +1,6 @@
 """Speed settings and the data path: each setting trains on the CPU, none changes the batches."""
 
+import dataclasses
 import json
 import math
 
@@ -12,7 +13,7 @@ from ddpkit.checkpoint import load_checkpoint, read_model
 from ddpkit.config import load_config
 from ddpkit.data import DataModule
 from ddpkit.dist_utils import DistEnv
-from ddpkit.parallel import build_model
+from ddpkit.parallel import build_model, for_evaluation
 from ddpkit.run_state import train_step
 from ddpkit.speed import FLOAT32, Speed, grad_scaler
 from ddpkit.tasks import build_task
@@ -65,6 +66,17 @@ def test_mixed_precision_step_clips_the_unscaled_gradients(dtype):
     assert norm.item() == pytest.approx(exact_norm.item(), rel=0.05)
     assert norm.item() > 0.01
     assert clipped.item() == pytest.approx(0.01, rel=1e-3)  # ... and clipped to optim.grad_clip
+
+
+def test_validation_runs_the_users_module_compiled_when_training_is():
+    module = torch.nn.Linear(3, 2)
+    assert for_evaluation(module, FLOAT32) is module
+    compiling = dataclasses.replace(FLOAT32, compile=True)
+    trained = torch.compile(module)  # as wrap_model leaves it on one process
+    evaluated = for_evaluation(trained, compiling)
+    # Its own compiled wrapper (not training's), around the user's module: the same parameters.
+    assert isinstance(evaluated, torch._dynamo.eval_frame.OptimizedModule)
+    assert evaluated is not trained and evaluated._orig_mod is module
 
 
 def test_the_task_scalars_get_outputs_without_a_graph():
