@@ -8,8 +8,10 @@ from pathlib import Path
 
 TEMPLATE = Path(__file__).resolve().parents[1]
 UNRENDERED = re.compile(r"\{\{|\{%|\{#")
-# A block of the baked README's "Bring your own" recipe: what to do, then the fenced code.
-RECIPE_BLOCK = re.compile(r"<!-- recipe: (?P<action>.+?) -->\n```\w*\n(?P<body>.*?)```", re.S)
+# A block of one of the baked README's recipes: `<!-- [name ]recipe: action -->`, then the fenced
+# code. The first recipe ("Bring your own") has no name.
+RECIPE_BLOCK = re.compile(
+    r"<!-- (?:(?P<recipe>\w+) )?recipe: (?P<action>.+?) -->\n```\w*\n(?P<body>.*?)```", re.S)
 
 
 def command_env(**extra: str) -> dict:
@@ -35,9 +37,10 @@ def unrendered_files(project: Path) -> list[str]:
     return found
 
 
-def recipe_blocks(project: Path) -> list[tuple[str, str]]:
-    """The recipe's blocks in the project's README, in order: (action, body) pairs."""
-    return RECIPE_BLOCK.findall((project / "README.md").read_text())
+def recipe_blocks(project: Path, recipe: str = "") -> list[tuple[str, str]]:
+    """One recipe's blocks in the project's README, in order: (action, body) pairs."""
+    found = RECIPE_BLOCK.finditer((project / "README.md").read_text())
+    return [(m["action"], m["body"]) for m in found if (m["recipe"] or "") == recipe]
 
 
 def apply_edit(project: Path, action: str, body: str) -> None:
