@@ -145,6 +145,18 @@ def train_both(args, common: list[str], steps: int) -> tuple:
         return step_losses(one), step_losses(many), final_parameters(one), final_parameters(many)
 
 
+def gradient_signal(common: list[str], steps: int, params_one: dict) -> dict | None:
+    """equivalence.no_signal's masks, or None (nothing excused) where the model or the task
+    cannot run in float64."""
+    print("weighing the gradient signal of the parameters over tolerance ...", flush=True)
+    try:
+        return equivalence.no_signal(load_config(common), steps, params_one)
+    except (RuntimeError, TypeError) as error:  # a float32-only model or loss
+        print(f"note: no float64 gradient ({type(error).__name__}: {str(error)[:200]}), so no "
+              "parameter is excused for lack of gradient signal")
+        return None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="processes of the second run")
@@ -174,8 +186,7 @@ def main(argv: list[str]) -> int:
         checks = equivalence.compare_parameters(params_one, params_many, args.param_rtol,
                                                 args.param_atol)
         if any(check.ratio > 1 for check in checks):  # rounding noise, or a real divergence?
-            print("weighing the gradient signal of the parameters over tolerance ...", flush=True)
-            excused = equivalence.no_signal(load_config(common), steps, params_one)
+            excused = gradient_signal(common, steps, params_one)
             checks = equivalence.compare_parameters(params_one, params_many, args.param_rtol,
                                                     args.param_atol, excused)
     except (UserError, CannotRun) as error:

@@ -71,3 +71,18 @@ class Bert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         embeddings = self.embed(x.reshape(len(x), TOKENS, -1))
         return self.bert(inputs_embeds=embeddings).logits
+
+
+class Float32Only(nn.Module):
+    """A classifier that casts its inputs to float32: it cannot run in float64."""
+
+    def __init__(self, features: int, num_classes: int):
+        super().__init__()
+        self.head = nn.Linear(features, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.float())
+
+
+def float32_only(cfg, input_shape: tuple, num_classes: int) -> nn.Module:
+    return Float32Only(input_shape[0], num_classes)

@@ -84,6 +84,13 @@ def test_attention_key_bias_has_no_gradient_signal():
                    if name != "attention.in_proj_bias")
 
 
+def test_a_model_that_cannot_run_in_float64_excuses_nothing(capsys):
+    recipes.load()
+    overrides = [*TINY, f"model.name={MODELS}:float32_only"]
+    assert check_equivalence.gradient_signal(overrides, 2, {}) is None
+    assert "note: no float64 gradient (RuntimeError" in capsys.readouterr().out
+
+
 def check(tmp_path, *args: str, nproc: int = 2):
     result = run([sys.executable, "check_equivalence.py", "--nproc", str(nproc), "--workdir",
                   str(tmp_path), *TINY, *args], timeout=400)
