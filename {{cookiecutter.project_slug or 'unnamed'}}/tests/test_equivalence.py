@@ -120,11 +120,18 @@ def test_a_divergence_that_depends_on_the_world_size_fails_naming_the_parameter(
 
 @pytest.mark.slow
 def test_a_hugging_face_bert_passes_at_3_processes(tmp_path):
+    # The case: over a whole epoch (38 steps of 6) at 3 processes, Adam drives the
+    # attention key biases apart on rounding noise alone; every other parameter agrees.
     pytest.importorskip("transformers")
     result, rows = check(tmp_path, f"model.name={MODELS}:tiny_bert", "model.hidden_dim=16",
-                         "ddp.find_unused_parameters=true", nproc=3)
+                         "ddp.find_unused_parameters=true", "train.global_batch_size=6",
+                         "--steps", "38", nproc=3)
     assert result.returncode == 0, result.stdout
-    assert all(row.endswith(("ok", "(excused)")) or row.startswith("(") for row in rows[1:-1])
+    verdicts = {row.split()[0]: row.split("  ")[-1] for row in rows[1:-2]}
+    for layer in (0, 1):
+        key_bias = f"bert.bert.encoder.layer.{layer}.attention.self.key.bias"
+        assert verdicts[key_bias] == "no gradient signal (excused)", result.stdout
+    assert sum(verdict != "ok" for verdict in verdicts.values()) == 2, result.stdout
 
 
 @pytest.mark.slow
