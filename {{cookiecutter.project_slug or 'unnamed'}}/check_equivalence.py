@@ -8,11 +8,22 @@
 It trains the same config twice for a few optimizer steps, with the same *global* batch: once
 as one process (`python train.py`) and once under torchrun with --nproc processes (and
 train.grad_accum_steps=--accum), then compares the loss of every step (relative difference at
-most --rtol) and the final parameters. Randomness that depends on how the batch is split is
-switched off for both runs: dropout (model.dropout=0) and training augmentation
-(data.augment=false, which your datasets should honour too). The steps stay inside the first
-epoch's full global batches (by default up to 15): the last batch of an epoch is padded
-differently at different process counts.
+most --rtol) and every final parameter: max|a - b| at most --param-rtol x max|a| + --param-atol,
+a being the parameter after 1 process and b after N. A table names the worst parameters (--show
+of them, and every failing one), on a pass and on a failure.
+
+Elements with no gradient signal are excused: those whose float64 gradient over the compared
+steps' data is zero but for rounding, at the initial and at the final weights alike (an
+attention key bias: softmax ignores what is added to every score alike). Their rounding noise
+differs between the runs, and Adam turns it into real steps; the table marks such a parameter
+"no gradient signal (excused)". Its other elements, and every other parameter, must agree.
+
+Randomness that depends on how the batch is split is switched off for both runs: dropout
+(model.dropout=0) and training augmentation (data.augment=false, which your datasets should
+honour too). The steps stay inside the first epoch's full global batches (the last batch of an
+epoch is padded differently at different process counts); by default max(15,
+optim.warmup_steps + 5) of them, past the warmup, and a note says so when every compared step
+is still inside it.
 
 Exit status: 0 PASS, 1 FAIL (with the first step that differs and what usually causes it),
 2 could not run (bad input, a run that failed: its one-line error is printed).
@@ -30,18 +41,19 @@ from pathlib import Path
 
 import torch
 
+from ddpkit import equivalence
 from ddpkit.checkpoint import MODEL_FILE
 from ddpkit.config import UserError, load_config
 
 PROJECT_DIR = Path(__file__).resolve().parent
-DEFAULT_STEPS = 15
 SWITCHED_OFF = ["model.dropout=0", "data.augment=false"]  # randomness that depends on the split
 CAUSES = """What breaks equivalence, and the fix:
   - BatchNorm: each rank normalises with its own share of the batch -> model.sync_batchnorm=true
   - randomness that differs per rank (dropout, random augmentation) -> off for this check
     (model.dropout=0 and data.augment=false are set; make your own randomness honour them), or
     draw it from a generator seeded by sample index rather than by rank
-  - a loss that is not a mean over the batch (e.g. a sum) -> divide by the batch size"""
+  - a loss that is not a mean over the batch (e.g. a sum) -> divide by the batch size
+  - code that reads the rank or the world size (torch.distributed) in the model or the loss"""
 
 
 class CannotRun(Exception):
@@ -67,7 +79,13 @@ def steps_to_compare(overrides: list[str], requested: int | None) -> int:
         raise CannotRun(f"--steps {requested} is more than the {full} full steps in one epoch of "
                         f"data.dataset={dataset} at train.global_batch_size={batch}: use "
                         f"--steps {full} or fewer")
-    return requested or min(DEFAULT_STEPS, full)
+    if requested:
+        return requested
+    steps = equivalence.default_steps(cfg.optim.warmup_steps, full)
+    note = equivalence.warmup_note(steps, cfg.optim.warmup_steps)
+    if note:
+        print(note)
+    return steps
 
 
 def finished(run_dir: Path, steps: int) -> bool:
@@ -127,17 +145,34 @@ def train_both(args, common: list[str], steps: int) -> tuple:
         return step_losses(one), step_losses(many), final_parameters(one), final_parameters(many)
 
 
+def gradient_signal(common: list[str], steps: int, params_one: dict) -> dict | None:
+    """equivalence.no_signal's masks, or None (nothing excused) where the model or the task
+    cannot run in float64."""
+    print("weighing the gradient signal of the parameters over tolerance ...", flush=True)
+    try:
+        return equivalence.no_signal(load_config(common), steps, params_one)
+    except (RuntimeError, TypeError) as error:  # a float32-only model or loss
+        print(f"note: no float64 gradient ({type(error).__name__}: {str(error)[:200]}), so no "
+              "parameter is excused for lack of gradient signal")
+        return None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="processes of the second run")
     parser.add_argument("--accum", type=int, default=1, help="grad_accum_steps of the 2nd run")
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
                         help="parallel.strategy of the 2nd run (the 1st is one plain process)")
-    parser.add_argument("--steps", type=int, help="optimizer steps to compare (default: up to "
-                        f"{DEFAULT_STEPS}, within the first epoch)")
+    parser.add_argument("--steps", type=int, help="optimizer steps to compare (default: "
+                        f"max({equivalence.MIN_STEPS}, optim.warmup_steps + "
+                        f"{equivalence.PAST_WARMUP}), within the first epoch)")
     parser.add_argument("--rtol", type=float, default=1e-5, help="relative loss tolerance")
-    parser.add_argument("--param-atol", type=float, default=1e-4,
-                        help="largest allowed absolute difference of a final parameter")
+    parser.add_argument("--param-rtol", type=float, default=1e-4,
+                        help="a final parameter's allowed max|a-b|, relative to its max|a|")
+    parser.add_argument("--param-atol", type=float, default=1e-5,
+                        help="added to that: the floor of a parameter's tolerance")
+    parser.add_argument("--show", type=int, default=8,
+                        help="parameters in the table of the worst (failing ones: all)")
     parser.add_argument("--workdir", type=Path, help="keep the runs here (default: temporary); "
                         "a finished 1-process run of the same config there is reused")
     args, overrides = parser.parse_known_args(argv)
@@ -148,6 +183,12 @@ def main(argv: list[str]) -> int:
         common = [*overrides, *SWITCHED_OFF, f"train.max_steps={steps}", "train.log_every=1",
                   "train.ckpt_every=0", "train.progress_bar=false"]
         losses_one, losses_many, params_one, params_many = train_both(args, common, steps)
+        checks = equivalence.compare_parameters(params_one, params_many, args.param_rtol,
+                                                args.param_atol)
+        if any(check.ratio > 1 for check in checks):  # rounding noise, or a real divergence?
+            excused = gradient_signal(common, steps, params_one)
+            checks = equivalence.compare_parameters(params_one, params_many, args.param_rtol,
+                                                    args.param_atol, excused)
     except (UserError, CannotRun) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -160,15 +201,19 @@ def main(argv: list[str]) -> int:
         print(f"{step:>5} {a:>18.9f} {b:>20.9f} {rel:>10.2e}")
         if rel > args.rtol and first_bad is None:
             first_bad = step
-    param_diff = max((params_one[k].double() - params_many[k].double()).abs().max().item()
-                     for k in params_one if params_one[k].is_floating_point())
-    print(f"largest final parameter difference: {param_diff:.3e} (allowed {args.param_atol:g})")
-    if first_bad is None and param_diff <= args.param_atol:
+    print(f"\nfinal parameters, a after 1 process, b after {args.nproc}; tolerance "
+          f"{args.param_rtol:g} x max|a| + {args.param_atol:g}; the worst first:")
+    print(equivalence.table(checks, args.show))
+    failed = [check.name for check in checks if not check.passed]
+    if first_bad is None and not failed:
         print(f"PASS: {args.nproc} process(es) x {args.accum} accumulation step(s) train like "
               f"1 process (losses within {args.rtol:g} relative for {len(losses_one)} steps)")
         return 0
-    where = f"the loss differs from step {first_bad}" if first_bad else "parameters drift apart"
-    print(f"FAIL: {where}.\n{CAUSES}")
+    where = [f"the loss differs from step {first_bad}"] if first_bad else []
+    if failed:
+        where.append(f"parameters drift apart ({', '.join(failed[:5])}"
+                     f"{', ...' if len(failed) > 5 else ''})")
+    print(f"FAIL: {'; '.join(where)}.\n{CAUSES}")
     return 1
 
 
