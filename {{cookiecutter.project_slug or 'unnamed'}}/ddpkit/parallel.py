@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.checkpoint import rng_state, set_rng_state
 from ddpkit.config import lookup
 from ddpkit.dist_utils import DistEnv
-from ddpkit.models import MODELS
+from ddpkit.models import MODELS, check_keyword_inputs
 from ddpkit.speed import Speed
 
 
@@ -110,7 +110,9 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
 def build_model(cfg: DictConfig, input_shape: tuple, num_classes: int) -> nn.Module:
     """The bare model named by `model.name`, on the CPU: no device, no wrapping."""
     builder = lookup(MODELS, cfg.name, "model.name", "a model")
-    return builder(cfg, input_shape, num_classes)
+    model = builder(cfg, input_shape, num_classes)
+    check_keyword_inputs(model, input_shape, cfg.name)
+    return model
 
 
 def fsdp_blocks(model: nn.Module) -> list[nn.Module]:

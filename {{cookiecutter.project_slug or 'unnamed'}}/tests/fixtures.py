@@ -194,15 +194,16 @@ def unused_head(cfg, input_shape, num_outputs: int) -> nn.Module:
 
 
 class DictModel(nn.Module):
-    """Reads a dict batch, returns a dict: logits, and an embedding the task regularises."""
+    """Reads a dict batch (its entries as keyword arguments), returns a dict: logits, and an
+    embedding the task regularises."""
 
     def __init__(self, inputs: int, outputs: int, hidden: int):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU())
         self.head = nn.Linear(hidden, outputs)
 
-    def forward(self, batch: dict) -> dict:
-        embedding = self.body(batch["features"])
+    def forward(self, features: torch.Tensor) -> dict:
+        embedding = self.body(features)
         return {"logits": self.head(embedding), "embedding": embedding}
 
 
