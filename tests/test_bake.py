@@ -30,7 +30,7 @@ EXPECTED_FILES = {
     "tests/test_speed.py", "tests/test_experiments.py", "tests/test_training_log.py",
     "tests/test_cluster.py", "tests/stall_at_step.py", "tests/preempt_in_validation.py",
     "tests/test_fsdp.py", "tests/reshard_probe.py", "tests/test_sweep.py",
-    "tests/test_tracking.py", "tests/test_optimization.py",
+    "tests/test_tracking.py", "tests/test_optimization.py", "tests/test_batches.py",
 }
 
 

@@ -16,6 +16,7 @@ moves either whole. The task (tasks.py) decides which parts the model and the lo
 """
 
 import contextlib
+import copy
 import functools
 import itertools
 import logging
@@ -49,13 +50,20 @@ log = logging.getLogger("ddp")
 
 def map_tensors(function, nested):
     """`function` applied to every tensor of a batch or a model output: a tensor, or a tuple /
-    list / dict of them (nested); anything else is kept as it is."""
+    list / dict of them (nested), or an object holding them as attributes (a copy of it);
+    anything else is kept as it is."""
     if isinstance(nested, torch.Tensor):
         return function(nested)
     if isinstance(nested, dict):
         return {key: map_tensors(function, value) for key, value in nested.items()}
     if isinstance(nested, (list, tuple)):
         return type(nested)(map_tensors(function, value) for value in nested)
+    attributes = getattr(nested, "__dict__", None)
+    if attributes and any(isinstance(value, torch.Tensor) for value in attributes.values()):
+        twin = copy.copy(nested)
+        twin.__dict__.update({key: map_tensors(function, value)
+                              for key, value in attributes.items()})
+        return twin
     return nested
 
 

@@ -96,19 +96,17 @@ def call_model(model: nn.Module, inputs):
     return model(**inputs) if isinstance(inputs, dict) else model(inputs)
 
 
-def check_keyword_inputs(model: nn.Module, input_shape: tuple | dict, name: str) -> None:
+def check_keyword_inputs(model: nn.Module, inputs: dict, name: str) -> None:
     """Dict inputs: refuse, before any step, a model whose forward cannot take them as keyword
     arguments (one written for the whole dict as its one argument, say)."""
-    if not isinstance(input_shape, dict):
-        return
     try:
         signature = inspect.signature(model.forward)
     except (TypeError, ValueError):  # a forward Python cannot inspect: let it run
         return
     try:
-        signature.bind(**dict.fromkeys(input_shape))
+        signature.bind(**inputs)
     except TypeError:
-        keys = ", ".join(input_shape)
+        keys = ", ".join(inputs)
         raise UserError(f"model.name={name}: dict samples reach the model as keyword arguments "
                         f"({keys}), which its forward{signature} does not take: write "
                         f"forward(self, {keys}) instead of a forward that takes the whole "

@@ -107,11 +107,14 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
     return module
 
 
-def build_model(cfg: DictConfig, input_shape: tuple, num_classes: int) -> nn.Module:
-    """The bare model named by `model.name`, on the CPU: no device, no wrapping."""
+def build_model(cfg: DictConfig, input_shape: tuple, num_classes: int, inputs=None
+                ) -> nn.Module:
+    """The bare model named by `model.name`, on the CPU: no device, no wrapping. With `inputs`
+    (a batch's model inputs), a model that cannot be called with them is refused."""
     builder = lookup(MODELS, cfg.name, "model.name", "a model")
     model = builder(cfg, input_shape, num_classes)
-    check_keyword_inputs(model, input_shape, cfg.name)
+    if isinstance(inputs, dict):
+        check_keyword_inputs(model, inputs, cfg.name)
     return model
 
 

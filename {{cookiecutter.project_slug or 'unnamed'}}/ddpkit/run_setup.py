@@ -39,7 +39,8 @@ def start_run(argv: list[str]) -> Run:
             data = DataModule(cfg, env, device)
             task = build_task(cfg, data.splits)
             input_shape = task.input_shape(data.datasets["train"][0])
-            model = build_model(cfg.model, input_shape, task.num_outputs)
+            model = build_model(cfg.model, input_shape, task.num_outputs,
+                                task.model_inputs(data.sample_batch()))
             speed = resolve_speed(cfg, device, input_shape)
             check_optim(cfg)
             trackers.check_installed(cfg)

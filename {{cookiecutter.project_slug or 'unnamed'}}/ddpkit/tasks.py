@@ -69,6 +69,10 @@ class Task:
         """What the model is called with (models.call_model): a dict batch less its target (as
         keyword arguments), else its first element."""
         if isinstance(batch, dict):
+            if self.target_key not in batch:
+                raise UserError(f"task.target_key={self.target_key} is not a key of the dict "
+                                f"samples ({', '.join(sorted(batch))}): set it to the key of the "
+                                "target")
             return {key: value for key, value in batch.items() if key != self.target_key}
         return batch[0]
 
