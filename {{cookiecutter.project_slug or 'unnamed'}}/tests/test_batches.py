@@ -185,3 +185,11 @@ def test_a_target_key_the_batches_lack_is_one_line(tmp_path):
     assert result.stdout.strip().splitlines()[-1] == (
         "error: task.target_key=target is not a key of the dict samples (label, tokens): set it "
         "to the key of the target")
+
+
+def test_fast_dev_run_goes_through_the_collate_and_the_sampler_of_the_builder(tmp_path):
+    result = torchrun(2, "train.py", *SEQUENCES, "train.fast_dev_run=true",
+                      f"data.dataset={fixture('sequences_by_length')}",
+                      f"run.output_dir={tmp_path / 'runs'}")
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.count("fast_dev_run ok") == 1, result.stdout
