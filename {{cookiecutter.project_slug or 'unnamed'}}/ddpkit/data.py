@@ -42,7 +42,7 @@ from torch.utils.data import (
 
 from ddpkit.config import UserError, lookup
 from ddpkit.datasets import DATASETS
-from ddpkit.dist_utils import DistEnv
+from ddpkit.dist_utils import DistEnv, gather_objects
 from ddpkit.splits import Splits
 
 log = logging.getLogger("ddp")
@@ -232,7 +232,13 @@ class DataModule:
         """This rank's sampler of the training split: the builder's, or a DistributedSampler."""
         env, seed = self.env, self.cfg.run.seed
         if splits.train_sampler is not None:
-            return splits.train_sampler(splits.train, env.world_size, env.rank, seed)
+            sampler = splits.train_sampler(splits.train, env.world_size, env.rank, seed)
+            sizes = gather_objects(len(sampler))  # [its own] without a process group
+            if len(set(sizes)) > 1:  # the ranks would run different numbers of steps, and hang
+                raise UserError(f"data.dataset={self.cfg.data.dataset}: its train_sampler gives "
+                                f"the ranks different numbers of samples ({sizes}): every rank "
+                                "must take as many as the others")
+            return sampler
         # drop_last: the tail that does not divide among ranks is left out, not padded.
         return DistributedSampler(splits.train, num_replicas=env.world_size, rank=env.rank,
                                   shuffle=True, seed=seed, drop_last=splits.drop_last)

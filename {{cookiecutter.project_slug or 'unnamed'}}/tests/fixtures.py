@@ -321,6 +321,20 @@ def sequences_by_length(cfg) -> Splits:
     return sequence_splits(cfg, train_sampler=ByLength)
 
 
+class Uneven(ByLength):
+    """A faulty sampler: rank r takes r samples fewer than rank 0."""
+
+    def __len__(self) -> int:
+        return self.per_rank - self.rank
+
+    def __iter__(self):
+        return iter(self.order()[self.rank::self.num_replicas][:len(self)])
+
+
+def sequences_uneven(cfg) -> Splits:
+    return sequence_splits(cfg, train_sampler=Uneven)
+
+
 class BagOfTokens(nn.Module):
     """Mean of the embeddings of a sequence's tokens (padding masked out), then a linear head.
     Its inputs are keyword arguments; `returns` picks what it gives back."""

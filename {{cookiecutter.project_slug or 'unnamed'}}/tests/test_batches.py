@@ -193,3 +193,13 @@ def test_fast_dev_run_goes_through_the_collate_and_the_sampler_of_the_builder(tm
                       f"run.output_dir={tmp_path / 'runs'}")
     assert result.returncode == 0, result.stdout
     assert result.stdout.count("fast_dev_run ok") == 1, result.stdout
+
+
+def test_a_training_sampler_that_gives_the_ranks_different_lengths_is_one_line(tmp_path):
+    result = torchrun(2, "train.py", *SEQUENCES, f"data.dataset={fixture('sequences_uneven')}",
+                      f"run.output_dir={tmp_path}")
+    assert result.returncode != 0
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error")]
+    assert errors == [f"error: data.dataset={fixture('sequences_uneven')}: its train_sampler "
+                      "gives the ranks different numbers of samples ([114, 113]): every rank "
+                      "must take as many as the others"]
