@@ -31,7 +31,7 @@ EXPECTED_FILES = {
     "tests/test_cluster.py", "tests/stall_at_step.py", "tests/preempt_in_validation.py",
     "tests/test_fsdp.py", "tests/reshard_probe.py", "tests/test_sweep.py",
     "tests/test_tracking.py", "tests/test_optimization.py", "tests/test_equivalence.py",
-    "tests/equivalence_models.py",
+    "tests/equivalence_models.py", "tests/test_batches.py", "tests/test_transformers.py",
 }
 
 
@@ -58,6 +58,11 @@ def test_bake_renders_everything(cookies, answers):
     assert meta["name"] == answers.get("project_slug", project.name)
     assert meta["authors"] == [{"name": answers.get("author", "Your Name")}]
     assert any(dep.startswith("torch>=") for dep in meta["dependencies"])
+    # Hugging Face models are an extra (and part of dev, whose tests use it), not a dependency.
+    assert not any(dep.startswith("transformers") for dep in meta["dependencies"])
+    extras = meta["optional-dependencies"]
+    assert extras["transformers"] == ["transformers>=4.46"]
+    assert any("transformers" in dep for dep in extras["dev"])
 
     run_sh = project / "run.sh"
     assert os.stat(run_sh).st_mode & stat.S_IXUSR

@@ -10,7 +10,9 @@ Add a builder and register it in `DATASETS`; select it with `data.dataset=<key>`
     DATASETS["my_data"] = my_data
 
 A builder returns `splits.Splits`: the train, val and test splits as map-style datasets (any
-`torch.utils.data.Dataset`) and what the task needs to know of them (README: "Bring your own").
+`torch.utils.data.Dataset`) and what the task needs to know of them; for batches of any shape,
+also how samples become a batch (`collate=`), the training order (`train_sampler=`) and
+`drop_last=` (README: "Bring your own").
 Every command loads this file (ddpkit/recipes.py) before it looks a dataset up, so every entry you
 add here is seen. The built-in datasets (digits, digits_files, breast_cancer, diabetes, synthetic,
 images) and the helpers imported below live in ddpkit/datasets.py, which is the template's. A

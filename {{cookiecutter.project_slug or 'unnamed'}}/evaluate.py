@@ -110,7 +110,8 @@ def main(argv: list[str]) -> None:
             data = DataModule(run_cfg, env, device)
             task = build_task(run_cfg, data.splits)
             input_shape = task.input_shape(data.datasets["train"][0])
-            model = build_model(run_cfg.model, input_shape, task.num_outputs)
+            model = build_model(run_cfg.model, input_shape, task.num_outputs,
+                                task.model_inputs(data.sample_batch()))
             checkpoint.load_model_weights(model, source, state)
             # Precision and memory format from this call's speed settings (no compile).
             speed = resolve_speed(run_cfg, device, input_shape)

@@ -71,6 +71,8 @@ class TaskConfig:
     # regression, or yours) or module:Class; "": the task the dataset is made for.
     name: str = ""
     pos_weight: float = 1.0  # binary: weight of the positive class in the loss (1: unweighted)
+    # Dict samples: the key of the target; every other key reaches the model as a keyword argument
+    target_key: str = "target"
 
 
 @dataclass

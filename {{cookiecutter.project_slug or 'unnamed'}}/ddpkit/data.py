@@ -3,18 +3,22 @@
 A dataset builder (data_sources.py) returns `splits.Splits`: train, val and test as map-style
 `Dataset`s of any kind, in memory or read from disk. This module turns them into loaders:
 
-- training: `DistributedSampler` gives each rank a disjoint 1/world_size of a shuffled order that
-  is the same on every rank (same seed); `DataModule.train_batches(epoch)` calls `set_epoch`, so
-  the order changes each epoch, and can start part-way into an epoch for an exact resume;
+- training: `DistributedSampler` (or the builder's `Splits.train_sampler`) gives each rank a
+  disjoint 1/world_size of a shuffled order that is the same on every rank (same seed);
+  `DataModule.train_batches(epoch)` calls `set_epoch`, so the order changes each epoch, and can
+  start part-way into an epoch for an exact resume;
 - evaluation: `EvalShardSampler` gives each rank a contiguous block of the split with no
   padding, so every sample is counted exactly once.
 
-A sample (and a batch) is a tuple `(inputs, target)` or a dict of tensors; `to_device` moves
-either whole. The task (tasks.py) decides which parts the model and the loss read.
+Every loader makes its batches with the builder's `Splits.collate` (default_collate when it has
+none). A sample (and a batch) is a tuple `(inputs, target)` or a dict of tensors; `to_device`
+moves either whole. The task (tasks.py) decides which parts the model and the loss read.
 """
 
 import contextlib
+import copy
 import functools
+import itertools
 import logging
 import math
 import os
@@ -32,13 +36,13 @@ from torch.utils.data import (
     Dataset,
     DistributedSampler,
     Sampler,
-    Subset,
     TensorDataset,
+    default_collate,
 )
 
 from ddpkit.config import UserError, lookup
 from ddpkit.datasets import DATASETS
-from ddpkit.dist_utils import DistEnv
+from ddpkit.dist_utils import DistEnv, gather_objects
 from ddpkit.splits import Splits
 
 log = logging.getLogger("ddp")
@@ -46,13 +50,20 @@ log = logging.getLogger("ddp")
 
 def map_tensors(function, nested):
     """`function` applied to every tensor of a batch or a model output: a tensor, or a tuple /
-    list / dict of them (nested); anything else is kept as it is."""
+    list / dict of them (nested), or an object holding them as attributes (a copy of it);
+    anything else is kept as it is."""
     if isinstance(nested, torch.Tensor):
         return function(nested)
     if isinstance(nested, dict):
         return {key: map_tensors(function, value) for key, value in nested.items()}
     if isinstance(nested, (list, tuple)):
         return type(nested)(map_tensors(function, value) for value in nested)
+    attributes = getattr(nested, "__dict__", None)
+    if attributes and any(isinstance(value, torch.Tensor) for value in attributes.values()):
+        twin = copy.copy(nested)
+        twin.__dict__.update({key: map_tensors(function, value)
+                              for key, value in attributes.items()})
+        return twin
     return nested
 
 
@@ -113,20 +124,25 @@ class EvalShardSampler(Sampler[int]):
         return self.end - self.start
 
 
-class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler that can begin an epoch part-way, for an exact mid-epoch resume.
+class SkipFirst(Sampler[int]):
+    """A training sampler that can begin an epoch part-way, for an exact mid-epoch resume.
 
     `start` drops this rank's first indices of the epoch's order (which depends only on the seed
     and the epoch), so a resumed run sees exactly the batches an uninterrupted one would have.
     """
 
-    start = 0
+    def __init__(self, sampler: Sampler):
+        self.sampler, self.start = sampler, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
 
     def __iter__(self):
-        return iter(list(super().__iter__())[self.start:])
+        return itertools.islice(iter(self.sampler), self.start, None)
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return len(self.sampler) - self.start
 
 
 def limited(setting: float, total: int) -> int:
@@ -194,31 +210,56 @@ class DataModule:
         # With gradient accumulation each optimizer step takes grad_accum_steps loader batches.
         self.grad_accum_steps = cfg.train.grad_accum_steps  # a plain int: read every batch
         self.micro_batch_size = self.batch_size_per_rank // self.grad_accum_steps
-        self.train_sampler = ResumableDistributedSampler(
-            self.datasets["train"], num_replicas=env.world_size, rank=env.rank,
-            shuffle=True, seed=cfg.run.seed,
-        )
+        self.collate = self.splits.collate or default_collate
+        self.drop_last = self.splits.drop_last
+        self.train_sampler = SkipFirst(self._train_order(self.splits))
         # No shuffle=True here: the sampler shuffles; a DataLoader refuses both.
         self.train_loader = self._loader(self.datasets["train"], self.micro_batch_size,
-                                         self.train_sampler)
+                                         self.train_sampler, drop_last=self.drop_last)
         self._eval_loaders: dict[tuple, DataLoader] = {}
-        # Optimizer steps per epoch (a last, smaller step takes what is left), or fewer with
-        # train.limit_train_batches. A plain number: the loop reads it every epoch.
-        self.steps_per_epoch = limited(cfg.train.limit_train_batches, math.ceil(
-            self.train_sampler.num_samples / self.batch_size_per_rank))
+        # Optimizer steps per epoch (a last, smaller step takes what is left, unless the
+        # builder asked for drop_last), or fewer with train.limit_train_batches. A plain number:
+        # the loop reads it every epoch.
+        per_rank = len(self.train_sampler) / self.batch_size_per_rank
+        steps = math.floor(per_rank) if self.drop_last else math.ceil(per_rank)
+        if steps == 0:
+            raise UserError(f"data.dataset={cfg.data.dataset}: its training sampler gives this "
+                            f"process {len(self.train_sampler)} samples, fewer than one full "
+                            f"batch of {self.batch_size_per_rank}")
+        self.steps_per_epoch = limited(cfg.train.limit_train_batches, steps)
 
-    def _loader(self, dataset: Dataset, batch_size: int, sampler: Sampler) -> DataLoader:
+    def _train_order(self, splits: Splits) -> Sampler:
+        """This rank's sampler of the training split: the builder's, or a DistributedSampler."""
+        env, seed = self.env, self.cfg.run.seed
+        if splits.train_sampler is not None:
+            sampler = splits.train_sampler(splits.train, env.world_size, env.rank, seed)
+            sizes = gather_objects(len(sampler))  # [its own] without a process group
+            if len(set(sizes)) > 1:  # the ranks would run different numbers of steps, and hang
+                raise UserError(f"data.dataset={self.cfg.data.dataset}: its train_sampler gives "
+                                f"the ranks different numbers of samples ({sizes}): every rank "
+                                "must take as many as the others")
+            return sampler
+        # drop_last: the tail that does not divide among ranks is left out, not padded.
+        return DistributedSampler(splits.train, num_replicas=env.world_size, rank=env.rank,
+                                  shuffle=True, seed=seed, drop_last=splits.drop_last)
+
+    def _loader(self, dataset: Dataset, batch_size: int, sampler: Sampler,
+                drop_last: bool = False) -> DataLoader:
         """A DataLoader giving `sampler`'s indices in batches of `batch_size` (the last may be
-        smaller). For a dataset that supports batch indexing, each batch is read with one
+        smaller, or dropped), made by the splits' collate. For a dataset that supports batch
+        indexing and no collate of the builder's, each batch is read with one
         `dataset[indices]` instead of one `dataset[i]` per sample and a collate that stacks
         them: the same batches, for a fraction of the Python work per step."""
         workers = self.cfg.data.num_workers
-        if supports_batch_indexing(dataset):
+        collate = self.collate
+        if supports_batch_indexing(dataset) and self.splits.collate is None:
             # batch_size=None: the loader passes each list from the BatchSampler to the
             # dataset as it is, and returns what comes back.
-            sampler, batch_size = BatchSampler(sampler, batch_size, drop_last=False), None
+            sampler = BatchSampler(sampler, batch_size, drop_last=drop_last)
+            batch_size, drop_last, collate = None, False, None
         return DataLoader(
-            dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+            dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+            collate_fn=collate, num_workers=workers,
             pin_memory=self.device.type == "cuda", persistent_workers=workers > 0,
             # Workers start once (persistent) by forkserver or spawn, not fork: a forked copy of
             # a process that has started CUDA or NCCL threads can deadlock.
@@ -233,13 +274,19 @@ class DataModule:
 
     def _worker_seed(self, epoch: int) -> int:
         """Seeds of the worker processes: distinct for every (run.seed, epoch, rank)."""
-        return (self.train_sampler.seed * 1_000_003 + epoch) * 1_009 + self.env.rank
+        return (self.cfg.run.seed * 1_000_003 + epoch) * 1_009 + self.env.rank
 
     @property
     def full_steps_per_epoch(self) -> int:
         """Optimizer steps per epoch whose global batch holds only distinct samples (the
         sampler pads the last one with repeats when the set does not divide)."""
-        return len(self.datasets["train"]) // self.cfg.train.global_batch_size
+        return min(len(self.datasets["train"]) // self.cfg.train.global_batch_size,
+                   self.steps_per_epoch)
+
+    def sample_batch(self, size: int = 2):
+        """The first `size` training samples made into a batch as training makes them."""
+        train = self.datasets["train"]
+        return self.collate([train[index] for index in range(min(size, len(train)))])
 
     def train_batches(self, epoch: int, skip_steps: int = 0):
         """This rank's batches for `epoch`, in an order that differs from epoch to epoch,
@@ -272,13 +319,15 @@ class DataModule:
     def eval_loader(self, split: str, limit: float = 0.0) -> DataLoader:
         """This rank's shard of `split` ("val" or "test"), each sample on exactly one rank.
         With `limit` (as train.limit_val_batches), only the split's first samples: that many
-        batches of eval.batch_size on every rank, or that fraction of the split."""
+        batches of eval.batch_size on every rank, or that fraction of the split. (The sampler
+        stops there: the dataset stays itself, its batch indexing and collate with it.)"""
         key = (split, limit)
         if key not in self._eval_loaders:  # kept: its workers persist between evaluations
             dataset = self.datasets[split]
+            samples = len(dataset)
             if limit:  # N batches on each rank: N x batch x ranks samples; or a fraction
                 per_batch = 1 if limit < 1 else self.cfg.eval.batch_size * self.env.world_size
-                dataset = Subset(dataset, range(limited(limit * per_batch, len(dataset))))
-            sampler = EvalShardSampler(len(dataset), self.env.world_size, self.env.rank)
+                samples = limited(limit * per_batch, samples)
+            sampler = EvalShardSampler(samples, self.env.world_size, self.env.rank)
             self._eval_loaders[key] = self._loader(dataset, self.cfg.eval.batch_size, sampler)
         return self._eval_loaders[key]

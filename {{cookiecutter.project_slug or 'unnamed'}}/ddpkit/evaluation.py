@@ -33,6 +33,7 @@ from ddpkit import dist_utils
 from ddpkit.config import UserError
 from ddpkit.data import EvalShardSampler, count_samples, map_tensors, to_device
 from ddpkit.dist_utils import Supervisor
+from ddpkit.models import call_model
 from ddpkit.parallel import is_sharded
 from ddpkit.speed import FLOAT32, Speed
 from ddpkit.tasks import Task
@@ -193,13 +194,13 @@ def evaluate_split(model: torch.nn.Module, loader: DataLoader, device: torch.dev
         batch = to_device(batch, device)
         inputs = speed.inputs(task.model_inputs(batch))
         with speed.autocast(device):
-            predicted = model(inputs)
+            predicted = call_model(model, inputs)
         outputs.add(as_float64(predicted), batch)  # metrics in float64, whatever the autocast
     if sharded and counts and len(loader) < max(counts):
         # An FSDP forward gathers weights from every rank: a rank whose shard has one batch
         # fewer runs its last batch once more, unrecorded, so that no rank waits in vain.
         with speed.autocast(device):
-            model(inputs)
+            call_model(model, inputs)
     model.train(was_training)
     return outputs.compute(shard_sizes(loader), reference, detail)  # the same calls everywhere
 

@@ -4,7 +4,10 @@ run gets (model FLOPs utilisation, MFU).
 The count is made once, before training, by `torch.utils.flop_counter` on a copy of the model
 built on the meta device: one forward, loss and backward of a micro-batch of the real shapes,
 with no memory, no time on the device, and no effect on the real model, its BatchNorm statistics
-or the random generators. Matrix products and convolutions are counted (2 FLOPs per
+or the random generators. A model that cannot run on meta tensors (one that reads values, or
+Hugging Face models, whose attention masks are checked by value) is counted on a deep copy of
+the run's model on the CPU instead, up to MAX_COPY_BYTES of weights, the random generators put
+back afterwards. Matrix products and convolutions are counted (2 FLOPs per
 multiply-add), including the backward's gradients of weights and of inputs; element-wise work,
 the optimizer and communication are not: this is the usual "model FLOPs" of MFU.
 
@@ -13,6 +16,8 @@ precision, from PEAK_TFLOPS. A device missing from the table is reported as unkn
 datasheet's dense (not sparse) numbers to report it.
 """
 
+import copy
+import itertools
 import logging
 from collections.abc import Callable
 
@@ -71,6 +76,30 @@ def count_training_flops(build: Callable[[], nn.Module], forward_and_loss, batch
     return counter.get_total_flops()
 
 
+MAX_COPY_BYTES = 2 * 1024**3  # a larger model is not copied to be counted
+
+
+def count_on_copy(model: nn.Module, forward_and_loss, batch) -> int | None:
+    """FLOPs of one forward, loss and backward of `batch` through a deep copy of `model` (on
+    the device it is on); None for a model over MAX_COPY_BYTES or one that fails."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    size = sum(tensor.numel() * tensor.element_size()
+               for tensor in itertools.chain(model.parameters(), model.buffers()))
+    if size > MAX_COPY_BYTES:
+        return None
+    counter = FlopCounterMode(display=False)
+    with torch.random.fork_rng(devices=[]):  # dropout in the copy leaves the run's RNG as it was
+        try:
+            twin = copy.deepcopy(model)
+            twin.train()
+            with counter:
+                forward_and_loss(twin, batch).backward()
+        except Exception:
+            return None
+    return counter.get_total_flops()
+
+
 def peak_flops(device: torch.device, precision: str, tf32: bool) -> tuple[float | None, str]:
     """The device's dense peak FLOP/s at the run's precision, and the device's name; None for
     a device that is not a CUDA GPU in PEAK_TFLOPS."""
@@ -88,8 +117,8 @@ def peak_flops(device: torch.device, precision: str, tf32: bool) -> tuple[float 
 def describe(flops_per_sample: float | None, peak: float | None, device_name: str,
              device: torch.device) -> str:
     if flops_per_sample is None:
-        return ("model FLOPs: not counted (the model does not run on the meta device: it reads "
-                "tensor values, or uses an operation without a meta kernel)")
+        return ("model FLOPs: not counted (the model runs neither on the meta device nor as a "
+                f"copy of up to {MAX_COPY_BYTES / 1024**3:g} GiB on the CPU)")
     text = f"model FLOPs: {flops_per_sample / 1e9:.4g} GFLOP per training sample"
     if peak:
         return f"{text}; MFU against the {peak / 1e12:.0f} TFLOP/s peak of {device_name}"

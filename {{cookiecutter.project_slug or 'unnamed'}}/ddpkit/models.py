@@ -4,10 +4,13 @@ This file is the template's (`cruft update` brings its fixes in): add your model
 which is yours and which the template imports before any model is looked up. Select one with
 `model.name=<key>` (or name a builder elsewhere as module:function). A builder takes the `model`
 config section, the shape of one sample's inputs (a dict of shapes for dict inputs) and the
-number of outputs the task needs. Keep the distributed parts out: parallel.py places the model on
-its device and wraps it (SyncBatchNorm, DDP or FSDP, torch.compile).
+number of outputs the task needs. A model is called with a batch's inputs: a tensor (or tuple)
+as its one argument, a dict as keyword arguments (`call_model`), as Hugging Face models expect.
+Keep the distributed parts out: parallel.py places the model on its device and wraps it
+(SyncBatchNorm, DDP or FSDP, torch.compile).
 """
 
+import inspect
 import math
 from collections.abc import Callable
 
@@ -86,3 +89,25 @@ def build_cnn(cfg: DictConfig, input_shape: tuple, num_classes: int) -> nn.Modul
 MODELS: dict[str, Callable[[DictConfig, tuple, int], nn.Module]] = {
     "mlp": build_mlp, "cnn": build_cnn,
 }
+
+
+def call_model(model: nn.Module, inputs):
+    """The model's outputs for a batch's model inputs: a dict's entries as keyword arguments."""
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+def check_keyword_inputs(model: nn.Module, inputs: dict, name: str) -> None:
+    """Dict inputs: refuse, before any step, a model whose forward cannot take them as keyword
+    arguments (one written for the whole dict as its one argument, say)."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward Python cannot inspect: let it run
+        return
+    try:
+        signature.bind(**inputs)
+    except TypeError:
+        keys = ", ".join(inputs)
+        raise UserError(f"model.name={name}: dict samples reach the model as keyword arguments "
+                        f"({keys}), which its forward{signature} does not take: write "
+                        f"forward(self, {keys}) instead of a forward that takes the whole "
+                        "dict") from None

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.checkpoint import rng_state, set_rng_state
 from ddpkit.config import lookup
 from ddpkit.dist_utils import DistEnv
-from ddpkit.models import MODELS
+from ddpkit.models import MODELS, check_keyword_inputs
 from ddpkit.speed import Speed
 
 
@@ -107,10 +107,15 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
     return module
 
 
-def build_model(cfg: DictConfig, input_shape: tuple, num_classes: int) -> nn.Module:
-    """The bare model named by `model.name`, on the CPU: no device, no wrapping."""
+def build_model(cfg: DictConfig, input_shape: tuple, num_classes: int, inputs=None
+                ) -> nn.Module:
+    """The bare model named by `model.name`, on the CPU: no device, no wrapping. With `inputs`
+    (a batch's model inputs), a model that cannot be called with them is refused."""
     builder = lookup(MODELS, cfg.name, "model.name", "a model")
-    return builder(cfg, input_shape, num_classes)
+    model = builder(cfg, input_shape, num_classes)
+    if isinstance(inputs, dict):
+        check_keyword_inputs(model, inputs, cfg.name)
+    return model
 
 
 def fsdp_blocks(model: nn.Module) -> list[nn.Module]:

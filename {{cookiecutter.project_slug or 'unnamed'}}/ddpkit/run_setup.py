@@ -39,7 +39,8 @@ def start_run(argv: list[str]) -> Run:
             data = DataModule(cfg, env, device)
             task = build_task(cfg, data.splits)
             input_shape = task.input_shape(data.datasets["train"][0])
-            model = build_model(cfg.model, input_shape, task.num_outputs)
+            model = build_model(cfg.model, input_shape, task.num_outputs,
+                                task.model_inputs(data.sample_batch()))
             speed = resolve_speed(cfg, device, input_shape)
             check_optim(cfg)
             trackers.check_installed(cfg)
@@ -110,6 +111,7 @@ def assemble(cfg: DictConfig, env: dist_utils.DistEnv, device: torch.device, dat
     total_steps = cfg.train.epochs * data.steps_per_epoch
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
+    flops_per_sample = count_flops(cfg, data, task, input_shape, model)  # the bare model
     model = wrap_model(model, cfg, env, device, speed)
     with dist_utils.agree_on_errors():  # your param_groups / optimizer / schedule builders
         optimizer = optimizers.build_optimizer(model, cfg, speed.fused_adamw)
@@ -117,7 +119,7 @@ def assemble(cfg: DictConfig, env: dist_utils.DistEnv, device: torch.device, dat
                                             task.higher_is_better)
     tracked = trackers.Trackers(cfg, run_dir) if env.is_main and trackers.enabled(cfg) else None
     training_log = TrainingLog(run_dir, env, device, tracked, log_every=cfg.train.log_every)
-    training_log.flops_per_sample = count_flops(cfg, data, task, input_shape)
+    training_log.flops_per_sample = flops_per_sample
     training_log.peak_flops = peak_flops(cfg, device, speed)[0]
     return Run(cfg, env, device, data, task, speed, model, optimizer, scheduler,
                grad_scaler(speed, device), training_log, run_dir, Position(), total_steps,

@@ -13,6 +13,7 @@ from ddpkit import checkpoint, dist_utils, trackers
 from ddpkit.checkpoint import Position
 from ddpkit.data import DataModule, count_samples, detached, to_device
 from ddpkit.evaluation import loss_terms
+from ddpkit.models import call_model
 from ddpkit.parallel import (
     ModelState,
     for_evaluation,
@@ -160,7 +161,7 @@ def forward_backward(model: torch.nn.Module, batch, task: Task, device: torch.de
     its logged values (detached), times `share`."""
     batch = to_device(batch, device)
     with speed.autocast(device):
-        outputs = model(speed.inputs(task.model_inputs(batch)))
+        outputs = call_model(model, speed.inputs(task.model_inputs(batch)))
         terms = loss_terms(task.loss(outputs, batch))
     loss = terms["loss"] if share == 1 else terms["loss"] * share
     (scaler.scale(loss) if scaler else loss).backward()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
 from ddpkit.config import UserError
 
@@ -30,6 +30,14 @@ class Splits:
     num_classes: int = 0  # classification: labels are 0 .. num_classes - 1
     target_mean: float = 0.0  # regression: the task trains on (target - mean) / std and
     target_std: float = 1.0  # reports metrics in the target's own units
+    # How samples become a batch: a function of a list of samples (padding sequences of
+    # different lengths, say); None: torch's default_collate. Every loader uses it.
+    collate: Callable | None = None
+    # The training order: train_sampler(dataset, num_replicas, rank, seed) gives this rank's
+    # sampler (set_epoch(epoch) is called when it has one); None: a shuffled DistributedSampler.
+    train_sampler: Callable[..., Sampler] | None = None
+    drop_last: bool = False  # training: drop an epoch's last, incomplete batch instead of
+    # padding it with repeated samples
 
 
 ONE_INDEX = (int, np.integer)  # a tuple built once: `int | np.integer` would build a union a call

@@ -25,11 +25,15 @@ Built in, each checked against scikit-learn at 1, 2 and 3 processes:
                 the validation split
     regression  MSE on standardised targets; MAE, RMSE and R^2 in the data's own units
 
-Batches may be tuples `(inputs, target)` or dicts (`target` key); a model may return a tensor
-or a dict (`logits` key). To change that, or the loss, subclass a task in tasks.py and
-register it there.
+Batches may be tuples `(inputs, target)` or dicts: the target under `task.target_key`, every
+other entry a keyword argument of the model. A model may return a tensor, a dict with `logits`
+or an object with a `logits` attribute (a Hugging Face ModelOutput). The task always computes
+the loss itself and ignores a `loss` the model returns: its own reduction is the same at every
+process count and batch split, which a model's loss (a mean over a padded batch, say) need not
+be. To change any of that, subclass a task in tasks.py and register it there.
 """
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +58,7 @@ class Task:
 
     def __init__(self, cfg: DictConfig, splits: Splits, eval_cfg: DictConfig | None = None):
         self.cfg, self.splits = cfg, splits
+        self.target_key = cfg.get("target_key") or self.target_key
         self.curve_points = eval_cfg.curve_points if eval_cfg else 200
         self.plot_classes = eval_cfg.plot_classes if eval_cfg else 10
         self.num_outputs = 1
@@ -61,15 +66,27 @@ class Task:
     # -- what the model and the loss read ---------------------------------------------------------
 
     def model_inputs(self, batch):
-        """What the model is called with: a dict batch whole, else its first element."""
-        return batch if isinstance(batch, dict) else batch[0]
+        """What the model is called with (models.call_model): a dict batch less its target (as
+        keyword arguments), else its first element."""
+        if isinstance(batch, dict):
+            if self.target_key not in batch:
+                raise UserError(f"task.target_key={self.target_key} is not a key of the dict "
+                                f"samples ({', '.join(sorted(batch))}): set it to the key of the "
+                                "target")
+            return {key: value for key, value in batch.items() if key != self.target_key}
+        return batch[0]
 
     def targets(self, batch) -> torch.Tensor:
         return batch[self.target_key] if isinstance(batch, dict) else batch[1]
 
     def scores(self, outputs) -> torch.Tensor:
-        """The tensor the task scores, from a model output that is a tensor or a dict."""
-        return outputs[self.output_key] if isinstance(outputs, dict) else outputs
+        """The tensor the task scores, from a model output that is a tensor, a dict or an
+        object with that attribute (a Hugging Face ModelOutput is both)."""
+        if isinstance(outputs, torch.Tensor):
+            return outputs
+        if isinstance(outputs, Mapping):
+            return outputs[self.output_key]
+        return getattr(outputs, self.output_key)
 
     def input_shape(self, sample) -> tuple | dict:
         """Shape of one sample's model inputs: what model builders receive."""

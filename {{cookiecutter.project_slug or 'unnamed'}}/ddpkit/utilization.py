@@ -5,11 +5,11 @@ import functools
 
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import default_collate
 
 from ddpkit import flops
 from ddpkit.data import DataModule, count_samples
 from ddpkit.evaluation import loss_terms
+from ddpkit.models import call_model
 from ddpkit.parallel import build_model
 from ddpkit.speed import Speed
 from ddpkit.tasks import Task
@@ -17,21 +17,23 @@ from ddpkit.tasks import Task
 
 def training_loss(task: Task, model: torch.nn.Module, batch) -> torch.Tensor:
     """The loss a training step differentiates (what count_flops counts)."""
-    return loss_terms(task.loss(model(task.model_inputs(batch)), batch))["loss"]
+    return loss_terms(task.loss(call_model(model, task.model_inputs(batch)), batch))["loss"]
 
 
-def count_flops(cfg: DictConfig, data: DataModule, task: Task, input_shape) -> float | None:
-    """Model FLOPs of one training sample (forward, loss, backward), counted on a copy of the
-    model on the meta device (flops.py); None for a model that cannot run there."""
-    train = data.datasets["train"]
-    batch = default_collate([train[0], train[min(1, len(train) - 1)]])  # 2: BatchNorm trains
+def count_flops(cfg: DictConfig, data: DataModule, task: Task, input_shape,
+                model: torch.nn.Module) -> float | None:
+    """Model FLOPs of one training sample (forward, loss, backward) of a batch made as training
+    makes them, counted on a copy of the model on the meta device (flops.py); where the model
+    cannot run there (Hugging Face models, one that reads values), on a copy of `model`, the
+    run's bare model. None when neither can be counted."""
+    batch = data.sample_batch(2)  # 2: BatchNorm trains
+    loss = functools.partial(training_loss, task)
     try:
         total = flops.count_training_flops(
-            functools.partial(build_model, cfg.model, input_shape, task.num_outputs),
-            functools.partial(training_loss, task), batch)
-    except Exception:  # a model that reads values (.item(), data-dependent shapes); describe()
-        return None  # says so, and a real bug in it is reported by the training step
-    return total / count_samples(batch)
+            functools.partial(build_model, cfg.model, input_shape, task.num_outputs), loss, batch)
+    except Exception:  # describe() says so when the copy fails too; a real bug in the model is
+        total = flops.count_on_copy(model, loss, batch)  # reported by the training step
+    return None if total is None else total / count_samples(batch)
 
 
 def peak_flops(cfg: DictConfig, device: torch.device, speed: Speed) -> tuple[float | None, str]:

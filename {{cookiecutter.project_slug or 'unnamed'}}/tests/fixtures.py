@@ -194,15 +194,16 @@ def unused_head(cfg, input_shape, num_outputs: int) -> nn.Module:
 
 
 class DictModel(nn.Module):
-    """Reads a dict batch, returns a dict: logits, and an embedding the task regularises."""
+    """Reads a dict batch (its entries as keyword arguments), returns a dict: logits, and an
+    embedding the task regularises."""
 
     def __init__(self, inputs: int, outputs: int, hidden: int):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU())
         self.head = nn.Linear(hidden, outputs)
 
-    def forward(self, batch: dict) -> dict:
-        embedding = self.body(batch["features"])
+    def forward(self, features: torch.Tensor) -> dict:
+        embedding = self.body(features)
         return {"logits": self.head(embedding), "embedding": embedding}
 
 
@@ -236,3 +237,150 @@ class NanGradientTask(MulticlassTask):
             if NanGradientTask.calls == int(os.environ.get("NAN_STEP", "14")):
                 loss = loss + (outputs.sum() * 0).sqrt()
         return loss
+
+
+# --- Batches of any shape: variable-length sequences, dict samples, keyword inputs ---------------
+
+VOCABULARY = 24
+
+
+class Sequences(Dataset):
+    """Dict samples of token sequences of different lengths: {"tokens", "label"}. Each of 4
+    classes draws most of its tokens from its own quarter of the vocabulary."""
+
+    def __init__(self, tokens: list[torch.Tensor], labels: np.ndarray):
+        self.tokens, self.labels = tokens, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"tokens": self.tokens[index], "label": torch.tensor(int(self.labels[index]))}
+
+
+def pad_sequences(samples: list[dict]) -> dict:
+    """The collate of Sequences: tokens padded with 0 to the batch's longest, and a mask."""
+    tokens = torch.nn.utils.rnn.pad_sequence([s["tokens"] for s in samples], batch_first=True)
+    lengths = torch.tensor([len(s["tokens"]) for s in samples])
+    mask = torch.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    return {"tokens": tokens, "mask": mask, "label": torch.stack([s["label"] for s in samples])}
+
+
+def sequence_splits(cfg, **options) -> Splits:
+    rng = np.random.default_rng(cfg.split_seed)
+    labels = rng.permutation(np.arange(SAMPLES) % 4)
+    quarter = VOCABULARY // 4
+    tokens = []
+    for label in labels:
+        length = int(rng.integers(3, 13))
+        own = rng.random(length) < 0.7
+        drawn = np.where(own, label * quarter + rng.integers(0, quarter, length),
+                         rng.integers(1, VOCABULARY, length))
+        tokens.append(torch.from_numpy(np.maximum(drawn, 1)))  # 0 is padding
+    split = split_indices(cfg, SAMPLES, labels)
+    parts = [Sequences([tokens[i] for i in split[name]], labels[split[name]])
+             for name in ("train", "val", "test")]
+    return Splits(*parts, task="multiclass", num_classes=4, collate=pad_sequences, **options)
+
+
+def sequences(cfg) -> Splits:
+    """Variable-length token sequences as dict samples, padded by their own collate."""
+    return sequence_splits(cfg)
+
+
+def sequences_drop_last(cfg) -> Splits:
+    return sequence_splits(cfg, drop_last=True)
+
+
+class ByLength(torch.utils.data.Sampler):
+    """A training sampler of the builder's own: the split sorted by length (shuffled within a
+    length, per epoch), every rank taking each world_size-th index of it."""
+
+    def __init__(self, dataset: Sequences, num_replicas: int, rank: int, seed: int):
+        self.lengths = [len(t) for t in dataset.tokens]
+        self.num_replicas, self.rank, self.seed, self.epoch = num_replicas, rank, seed, 0
+        self.per_rank = len(self.lengths) // num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self) -> list[int]:
+        noise = torch.rand(len(self.lengths),
+                           generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        keys = torch.tensor(self.lengths, dtype=torch.float64) + noise.double()
+        return keys.argsort().tolist()[:self.per_rank * self.num_replicas]
+
+    def __iter__(self):
+        return iter(self.order()[self.rank::self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+
+def sequences_by_length(cfg) -> Splits:
+    return sequence_splits(cfg, train_sampler=ByLength)
+
+
+class Uneven(ByLength):
+    """A faulty sampler: rank r takes r samples fewer than rank 0."""
+
+    def __len__(self) -> int:
+        return self.per_rank - self.rank
+
+    def __iter__(self):
+        return iter(self.order()[self.rank::self.num_replicas][:len(self)])
+
+
+def sequences_uneven(cfg) -> Splits:
+    return sequence_splits(cfg, train_sampler=Uneven)
+
+
+class BagOfTokens(nn.Module):
+    """Mean of the embeddings of a sequence's tokens (padding masked out), then a linear head.
+    Its inputs are keyword arguments; `returns` picks what it gives back."""
+
+    def __init__(self, outputs: int, hidden: int, returns: str = "tensor"):
+        super().__init__()
+        self.embed = nn.Embedding(VOCABULARY, hidden)
+        self.head = nn.Linear(hidden, outputs)
+        self.returns = returns
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor):
+        weights = mask.to(self.head.weight.dtype)
+        pooled = (self.embed(tokens) * weights[..., None]).sum(1) / weights.sum(1, keepdim=True)
+        logits = self.head(pooled)
+        if self.returns == "dict":  # a loss of its own, which the task ignores
+            return {"logits": logits, "loss": logits.sum() * 1000}
+        if self.returns == "object":
+            return Outputs(logits=logits, loss=logits.sum() * 1000)
+        return logits
+
+
+class Outputs:
+    """A model output object with attributes, as a Hugging Face ModelOutput has them."""
+
+    def __init__(self, logits: torch.Tensor, loss: torch.Tensor):
+        self.logits, self.loss = logits, loss
+
+
+def bag_of_tokens(cfg, input_shape: dict, num_outputs: int) -> nn.Module:
+    return BagOfTokens(num_outputs, cfg.hidden_dim)
+
+
+def bag_of_tokens_dict(cfg, input_shape: dict, num_outputs: int) -> nn.Module:
+    return BagOfTokens(num_outputs, cfg.hidden_dim, returns="dict")
+
+
+class WholeDictModel(nn.Module):
+    """The old style: a forward that takes the whole dict batch as its one argument."""
+
+    def __init__(self, inputs: int, outputs: int):
+        super().__init__()
+        self.linear = nn.Linear(inputs, outputs)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.linear(batch["features"])
+
+
+def whole_dict_model(cfg, input_shape: dict, num_outputs: int) -> nn.Module:
+    return WholeDictModel(input_shape["features"][0], num_outputs)

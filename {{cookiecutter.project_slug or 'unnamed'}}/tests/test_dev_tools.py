@@ -12,6 +12,7 @@ from conftest import TINY, fixture, only_run_dir, run, torchrun
 from ddpkit.config import load_config
 from ddpkit.data import DataModule
 from ddpkit.dist_utils import DistEnv
+from ddpkit.parallel import build_model
 from ddpkit.tasks import build_task
 from ddpkit.utilization import count_flops
 
@@ -68,7 +69,8 @@ def test_limited_loaders_keep_the_first_batches_of_every_rank():
     seen = torch.cat([inputs for data in shards for inputs, _ in data.eval_loader("val", 2)])
     val = shards[0].datasets["val"]
     assert torch.equal(seen, torch.stack([val[index][0] for index in range(40)]))
-    assert len(shards[0].eval_loader("val", limit=0.5).dataset) == 26  # half of 53
+    half = shards[0].eval_loader("val", limit=0.5)  # half of 53, the dataset itself kept
+    assert half.sampler.sampler.dataset_len == 26 and half.dataset is val
 
 
 @pytest.mark.slow  # the quick tier (-m 'not slow') skips it
@@ -130,7 +132,8 @@ def test_flops_of_a_training_step_of_the_default_models_equal_a_hand_count(name)
     data = DataModule(cfg, DistEnv(0, 0, 2, True), torch.device("cpu"))
     task = build_task(cfg, data.splits)
     shape = task.input_shape(data.datasets["train"][0])
-    per_step = count_flops(cfg, data, task, shape) * data.batch_size_per_rank
+    bare = build_model(cfg.model, shape, task.num_outputs)
+    per_step = count_flops(cfg, data, task, shape, bare) * data.batch_size_per_rank
     model = cfg.model
     if name == "mlp":
         hand = hand_count_mlp(math.prod(shape), model.hidden_dim, model.num_layers, 10)

@@ -315,13 +315,14 @@ def test_equivalence_check_catches_plain_batchnorm(equivalence_dir):
 # Runs a script and prints, at its exit, which of the optional packages it imported.
 IMPORTS_PROBE = ("import atexit, runpy, sys\n"
                  "atexit.register(lambda: print('IMPORTED', sorted(m for m in ('mlflow', "
-                 "'wandb', 'optuna') if m in sys.modules)))\n"
+                 "'wandb', 'optuna', 'transformers') if m in sys.modules)))\n"
                  "sys.argv = sys.argv[1:]\n"
                  "runpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
 def test_single_process_python_train(tmp_path, tiny_args):
-    # (Trackers and Optuna are off by default: neither training nor evaluation imports them.)
+    # (Trackers and Optuna are off by default, transformers an extra: neither training nor
+    # evaluation imports them.)
     result = run([sys.executable, "-c", IMPORTS_PROBE, "train.py", *tiny_args])
     assert result.returncode == 0, result.stdout
     assert "1 process(es) on cpu, backend none" in result.stdout
