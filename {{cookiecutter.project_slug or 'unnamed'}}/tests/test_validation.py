@@ -95,6 +95,7 @@ def test_step_cadence_keeps_the_best_beside_the_newest_and_exports_it(tmp_path):
     assert last.returncode == 0 and "(step 57)" in last.stdout, last.stdout
 
 
+@pytest.mark.slow
 def test_validation_leaves_training_bitwise_as_it_was(tmp_path):
     # Dropout draws from the generators a validation's loader also draws from.
     models = {}
@@ -108,6 +109,7 @@ def test_validation_leaves_training_bitwise_as_it_was(tmp_path):
     assert all(torch.equal(models["0"][k], models["5"][k]) for k in models["0"])
 
 
+@pytest.mark.slow
 def test_early_stopping_ends_the_run_and_exports_the_last_weights(tmp_path):
     run_dir = tmp_path / "run"
     # No loss falls by 10 in one validation: the second one stops the run.
