@@ -97,7 +97,11 @@ def higher_is_better(metric: str, mode: str, task: Task) -> bool:
 
 
 def restored(run) -> None:
-    """After a resume: the best's checkpoint is kept again, if it is this run folder's."""
+    """After a resume: the best's checkpoint is kept again, if it is this run folder's; an
+    early stop is weighed again by this run's patience (raised, training goes on)."""
+    validation = run.validation
+    validation.stopped_early = bool(validation.patience) and validation.waited >= (
+        validation.patience)
     best = run.validation.best
     if best and not (run.checkpointer.folder / best["checkpoint"]).is_dir():
         run.validation.best = None  # resumed from another run folder: its best is not here

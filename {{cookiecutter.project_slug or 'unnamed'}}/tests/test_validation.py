@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from test_faults import epoch_records, finish, wait_for
 from conftest import TINY, run
 from ddpkit.checkpoint import list_checkpoints, read_model
 from ddpkit.config import UserError, load_config
-from ddpkit.validation import Validation
+from ddpkit.validation import Validation, restored
 
 # 19 steps an epoch; a validation every 7 steps besides each epoch's end. The best by the lowest
 # accuracy is the first validation's for good: a best far older than the newest checkpoint.
@@ -51,6 +52,22 @@ def test_best_and_patience_follow_the_metric_mode_and_min_delta():
     restored = validation()
     restored.load_state_dict(auto.state_dict())
     assert restored.state_dict() == auto.state_dict()
+
+
+def test_a_resume_keeps_the_best_of_its_own_folder_and_weighs_patience_anew(tmp_path):
+    stopped = validation("train.early_stop_patience=1")
+    stopped.judge({"step": 5, "val_accuracy": 0.5})
+    stopped.judge({"step": 10, "val_accuracy": 0.4})
+    (tmp_path / "step-00000005").mkdir()
+    for patience, best, stops in ((1, tmp_path, True), (3, tmp_path / "other", False)):
+        resumed = validation(f"train.early_stop_patience={patience}")
+        resumed.load_state_dict(stopped.state_dict())
+        run = SimpleNamespace(validation=resumed,
+                              checkpointer=SimpleNamespace(folder=best, best=None))
+        restored(run)
+        assert resumed.stopped_early is stops
+        kept = "step-00000005" if best == tmp_path else None
+        assert run.checkpointer.best == kept and (resumed.best is not None) == bool(kept)
 
 
 def test_an_unknown_best_metric_is_one_sentence_naming_the_choices():
