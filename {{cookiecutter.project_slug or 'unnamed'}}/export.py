@@ -2,6 +2,7 @@
 
     python export.py runs/<run>                                   # its latest checkpoint
     python export.py runs/<run>/checkpoints/step-00000200 out.pt  # that one, to out.pt
+    python export.py runs/<run> --best                            # its best validation's
 
 One process, no GPU and no process group needed: the checkpoint's shards (saved by any number of
 processes, DDP or FSDP) are read into whole tensors. The file (default: model.pt in the run
@@ -12,16 +13,20 @@ step and the config that builds the model, and loads with torch.load(weights_onl
     model.load_state_dict(state["model"])  # the bare model, as build_model makes it
 """
 
+import json
 from pathlib import Path
 
-from ddpkit import checkpoint, dist_utils
+from ddpkit import checkpoint, dist_utils, report
 from ddpkit.config import UserError, config_from_dict
 
 
 def main(argv: list[str]) -> None:
+    best = "--best" in argv
+    argv = [arg for arg in argv if arg != "--best"]
     if len(argv) not in (1, 2):
-        raise UserError("usage: python export.py <run folder or checkpoint folder> [output file]")
-    source = checkpoint.find_checkpoint(argv[0])
+        raise UserError("usage: python export.py <run folder or checkpoint folder> [output file]"
+                        " [--best]")
+    source = checkpoint.find_checkpoint(best_checkpoint(Path(argv[0])) if best else argv[0])
     if not checkpoint.is_checkpoint(source):
         raise UserError(f"{source} is not a checkpoint folder: give a run folder or its "
                         "checkpoints/step-<N>")
@@ -31,6 +36,18 @@ def main(argv: list[str]) -> None:
     target = Path(argv[1]) if len(argv) == 2 else run_dir / checkpoint.MODEL_FILE
     checkpoint.export_model(checkpoint.read_model(source), target, state["step"], cfg)
     print(f"wrote {target}: the model of {source} (step {state['step']})")
+
+
+def best_checkpoint(run_dir: Path) -> str:
+    """The checkpoint of a run's best validation, as its summary.json names it."""
+    try:
+        best = json.loads((run_dir / report.SUMMARY_FILE).read_text()).get("best_checkpoint")
+    except (OSError, ValueError):
+        best = None
+    if not best:
+        raise UserError(f"--best: {run_dir} names no best checkpoint (give a run folder trained "
+                        "with train.keep_best=true, after its first validation)")
+    return str(run_dir / "checkpoints" / Path(best).name)  # the run folder may have moved
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ supervisor); the data, model and task are what the config names.
 This file is the training loop. Building the run (config, data, model, optimizer, schedule, a
 resumed checkpoint) is ddpkit/run_setup.py; the Run and one optimizer step (train_step) are
 ddpkit/run_state.py; how a run ends (the last checkpoint, the export, summary.json, a
-preemption) is ddpkit/run_end.py; train.fast_dev_run is ddpkit/smoke.py.
+preemption) is ddpkit/run_end.py; validation (its cadence, the best checkpoint, early stopping)
+is ddpkit/validation.py; train.fast_dev_run is ddpkit/smoke.py.
 """
 
 import logging
@@ -25,12 +26,12 @@ import time
 from tqdm import tqdm
 
 from ddpkit import dist_utils, recipes
-from ddpkit.evaluation import evaluate_split, scalars
 from ddpkit.profiling import StepProfiler
 from ddpkit.run_end import end_run, save_and_export, stop_for_preemption, summary_on_failure
 from ddpkit.run_setup import describe, start_run
 from ddpkit.run_state import Run, epoch_steps, train_step
 from ddpkit.smoke import end_smoke_test, removed_at_the_end
+from ddpkit.validation import validate
 
 log = logging.getLogger("ddp")
 
@@ -58,11 +59,14 @@ def train_epochs(run: Run) -> None:
     cfg, model, data, task, position = run.cfg, run.model, run.data, run.task, run.position
     training_log, scheduler, checkpointer = run.training_log, run.scheduler, run.checkpointer
     optimizer, device, speed, scaler = run.optimizer, run.device, run.speed, run.scaler
-    supervisor, lr = run.supervisor, run.lr
+    supervisor, lr, validation = run.supervisor, run.lr, run.validation
     # Settings the loop reads every step, as plain numbers (an OmegaConf read is far slower).
     epochs, grad_clip = cfg.train.epochs, cfg.optim.grad_clip
     profiler = StepProfiler(cfg, run.run_dir, run.env.rank, device, position.step)
-    while position.epoch < epochs and position.step < run.total_steps:
+    if validation.interrupted_at == position.step:  # preempted inside it: validate again
+        validate(run, mid_epoch=True)
+    while (position.epoch < epochs and position.step < run.total_steps
+           and not validation.stopped_early):
         model.train()
         training_log.start_epoch(resumed_within=position.step_in_epoch > 0)
         bar = progress_bar(run)
@@ -79,14 +83,18 @@ def train_epochs(run: Run) -> None:
                 bar.set_postfix(loss=f"{training_log.last.get('loss', math.nan):.4f}")
             if supervisor.should_stop():  # a preemption signal: every rank stops here
                 stop_for_preemption(run)
+            if validation.due(position, data.steps_per_epoch, run.total_steps):
+                validate(run, mid_epoch=True)  # train.val_every_steps
+                model.train()
             if checkpointer.due(position.step):
                 run.save_mid_training()
                 training_log.restart_clock()  # the write is not training time of the next window
-            if position.step == run.total_steps:
+            if position.step == run.total_steps or validation.stopped_early:
                 break
         training_log.end_training(position.step, lr())
         bar.close()
-        validate(run)
+        if not validation.stopped_early:
+            validate(run)
         if position.step_in_epoch >= data.steps_per_epoch:
             position.epoch, position.step_in_epoch = position.epoch + 1, 0
     profiler.close()
@@ -97,24 +105,6 @@ def progress_bar(run: Run) -> tqdm:
     show = run.env.is_main and run.cfg.train.progress_bar and sys.stderr.isatty()
     return tqdm(total=run.data.steps_per_epoch, initial=run.position.step_in_epoch, leave=False,
                 desc=f"epoch {run.position.epoch + 1}/{run.cfg.train.epochs}", disable=not show)
-
-
-def validate(run: Run) -> None:
-    """The epoch's validation: the exact, sharded evaluation of evaluate.py, on the user's module
-    (compiled when training is; the same on every rank); then the epoch's record. Preempted
-    during it, the run stops and validates again after the resume."""
-    position = run.position
-    val = evaluate_split(run.model_for_evaluation(),
-                         run.data.eval_loader("val", run.cfg.train.limit_val_batches),
-                         run.device, run.task, run.speed, run.cfg.eval.binned_thresholds,
-                         detail=False, supervisor=run.supervisor)
-    if val is None:
-        stop_for_preemption(run)
-    record = run.training_log.end_epoch(position.epoch + 1, position.step, scalars(val))
-    run.validated(record)  # a plateau schedule steps on the headline metric
-    log.info("epoch %3d/%d  step %5d  %s", position.epoch + 1, run.cfg.train.epochs,
-             position.step, "  ".join(f"{name} {value:.4f}" for name, value in record.items()
-                                      if isinstance(value, float)))
 
 
 if __name__ == "__main__":

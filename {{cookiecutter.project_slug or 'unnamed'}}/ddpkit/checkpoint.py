@@ -7,7 +7,8 @@
   `module.` / `_orig_mod.`), optimizer, LR schedule, loss scaler, the running training
   statistics, the position (step, epoch, step within it), every rank's random generators and the
   config. Every rank writes its part (torch.distributed.checkpoint), into a hidden folder renamed
-  into place when all parts are on disk; the newest `train.keep_checkpoints` are kept. It loads at
+  into place when all parts are on disk; the newest `train.keep_checkpoints` are kept, and the
+  best validation's (train.keep_best, ddpkit/validation.py) beside them. It loads at
   any process count, with either strategy (DDP or FSDP). With train.checkpoint_async=true the
   ranks train on while a background thread writes.
 - Loading is safe (tensors and plain data, never code: `weights_only=True`, and DCP's metadata
@@ -587,6 +588,7 @@ class Checkpointer:
         self.keep = cfg.train.keep_checkpoints
         self.every = cfg.train.ckpt_every  # a checkpoint every that many steps (0: only the end)
         self.last_saved = -1  # the step of the last checkpoint saved (or resumed): -1 for none
+        self.best: str | None = None  # the best validation's checkpoint (its name): never pruned
         self.env = env
         self.asynchronous = bool(cfg.train.checkpoint_async)
         # The background write coordinates the ranks through collectives of its own: on a gloo
@@ -672,7 +674,7 @@ class Checkpointer:
             shutil.rmtree(path)
         os.replace(tmp, path)
         _fsync_folder(self.folder)
-        prune_checkpoints(self.folder, self.keep)
+        prune_checkpoints(self.folder, self.keep, self.best)
 
     def _discard(self, tmp: Path) -> None:
         """Rank 0: what a failed write left (a full disk gets its space back)."""
@@ -712,9 +714,9 @@ class Checkpointer:
                 raise
 
 
-def prune_checkpoints(folder: Path, keep: int) -> None:
-    """Rank 0 deletes all but the newest `keep` checkpoints (keep=0: delete none), and any
-    temporary file or folder a killed writer left behind."""
+def prune_checkpoints(folder: Path, keep: int, best: str | None = None) -> None:
+    """Rank 0 deletes all but the newest `keep` checkpoints (keep=0: delete none) and the one
+    named `best`, and any temporary file or folder a killed writer left behind."""
     if not dist_utils.is_main_process():
         return
     for leftover in Path(folder).glob(".step-*.tmp*"):
@@ -724,7 +726,8 @@ def prune_checkpoints(folder: Path, keep: int) -> None:
             leftover.unlink(missing_ok=True)
     if keep:
         for old in list_checkpoints(folder)[:-keep]:
-            _remove_unless_held(old)
+            if old.name != best:
+                _remove_unless_held(old)
 
 
 def _remove_unless_held(path: Path) -> None:

@@ -120,6 +120,16 @@ class TrainConfig:
     # eval.batch_size per rank (its metrics are then those of the part seen)
     limit_train_batches: float = 0.0
     limit_val_batches: float = 0.0
+    # Validation (ddpkit/validation.py): after every epoch, and every N steps besides; 0: only
+    # at the end of each epoch
+    val_every_steps: int = 0
+    # Keep the checkpoint of the best validation (train.best_metric) beside the newest k
+    keep_best: bool = True
+    best_metric: str = ""  # a validation metric (accuracy, loss, ...); "": the task's headline
+    best_mode: str = "auto"  # auto (loss-like names lower, others higher) | max | min
+    early_stop_patience: int = 0  # stop after N validations without improvement; 0: never
+    early_stop_min_delta: float = 0.0  # the least change of best_metric that counts as one
+    export: str = "last"  # last | best: the weights model.pt is written from at the end
 
 
 @dataclass
@@ -243,6 +253,8 @@ CHOICES = {
     "speed.precision": ("auto", "fp32", "bf16", "fp16"),
     "speed.compile_mode": ("default", "reduce-overhead", "max-autotune"),
     "eval.split": ("test", "val"),
+    "train.best_mode": ("auto", "max", "min"),
+    "train.export": ("last", "best"),
 }
 POSITIVE = (
     "data.synthetic_samples", "data.synthetic_features", "data.image_size", "model.hidden_dim",
@@ -257,7 +269,8 @@ NON_NEGATIVE = (
     "data.num_workers", "model.num_layers", "optim.weight_decay", "optim.warmup_steps",
     "optim.grad_clip", "optim.step_size", "optim.plateau_patience",
     "train.ckpt_every", "train.max_steps", "train.keep_checkpoints", "eval.binned_thresholds",
-    "train.limit_train_batches", "train.limit_val_batches",
+    "train.limit_train_batches", "train.limit_val_batches", "train.val_every_steps",
+    "train.early_stop_patience", "train.early_stop_min_delta",
 )
 TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string",
               bool | None: "true, false or null (null: chosen automatically)",
@@ -406,6 +419,9 @@ def _check_values(cfg: DictConfig, world_size: int | None) -> None:
         if value >= 1 and value != int(value):
             raise UserError(f"{key}={value} is not valid: give a whole number of batches, a "
                             "fraction below 1, or 0 for all of them")
+    if cfg.train.export == "best" and not cfg.train.keep_best:
+        raise UserError("train.export=best needs the best checkpoint: set train.keep_best=true, "
+                        "or train.export=last")
     _check_schedule(cfg.optim)
     if world_size is not None:
         check_batch_divides(cfg, world_size)

@@ -5,6 +5,7 @@ interrupted (said in summary.json)."""
 import contextlib
 import json
 import logging
+from pathlib import Path
 
 from ddpkit import checkpoint, dist_utils, report
 from ddpkit.parallel import ModelState
@@ -19,7 +20,9 @@ def write_summary(run: Run, status: str) -> None:
     position = run.position
     summary = {"status": status, "step": position.step, "epoch": position.epoch,
                "total_steps": run.total_steps, "world_size": run.env.world_size,
-               "headline": run.task.headline, "higher_is_better": run.task.higher_is_better}
+               "headline": run.task.headline, "higher_is_better": run.task.higher_is_better,
+               "best_checkpoint": run.validation.best_checkpoint(run.run_dir),
+               "stopped_early": run.validation.stopped_early, "exported": run.exported}
     if status != "running":
         summary["throughput"] = run.training_log.throughput()  # this job's timed windows
         history = report.read_run(run.run_dir)
@@ -92,7 +95,19 @@ def save_and_export(run: Run) -> None:
 
 
 def export(run: Run) -> None:
-    """The final model as one file (collective: with FSDP the shards are gathered)."""
+    """The final model as one file (collective: with FSDP the shards are gathered): the last
+    weights, or with train.export=best the best validation's checkpoint, read from disk."""
+    best = run.validation.best_checkpoint(run.run_dir)
+    if run.cfg.train.export == "best" and best is None:
+        log.warning("train.export=best but no validation ran: model.pt holds the last weights")
+    if run.cfg.train.export == "best" and best is not None:
+        run.exported = {"from": "best", "step": run.validation.best["step"]}
+        with dist_utils.agree_on_errors():
+            if run.env.is_main:
+                checkpoint.export_model(checkpoint.read_model(Path(best)), run.run_dir
+                                        / checkpoint.MODEL_FILE, run.exported["step"], run.cfg)
+        return
+    run.exported = {"from": "last", "step": run.position.step}
     weights = ModelState(run.model, whole=True).state_dict()
     with dist_utils.agree_on_errors():
         if run.env.is_main:

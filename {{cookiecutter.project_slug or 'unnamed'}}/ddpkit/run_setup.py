@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ddpkit import checkpoint, dist_utils, flops, optimizers, trackers
+from ddpkit import checkpoint, dist_utils, flops, optimizers, trackers, validation
 from ddpkit.checkpoint import Position, RunDir
 from ddpkit.config import SCHEDULE_NAMES, load_config
 from ddpkit.data import DataModule
@@ -125,7 +125,7 @@ def assemble(cfg: DictConfig, env: dist_utils.DistEnv, device: torch.device, dat
                grad_scaler(speed, device), training_log, run_dir, Position(), total_steps,
                resumed=resumed, supervisor=dist_utils.Supervisor(env, cfg.ddp.timeout_minutes),
                checkpointer=checkpoint.Checkpointer(run_dir, cfg, env), trackers=tracked,
-               plateau=plateau)
+               plateau=plateau, validation=validation.Validation(cfg, task))
 
 
 def restore(run: Run, folder: RunDir, resume_from: Path, saved_config: dict | None) -> None:
@@ -138,6 +138,7 @@ def restore(run: Run, folder: RunDir, resume_from: Path, saved_config: dict | No
         raise
     checkpoint.release(resume_from)  # read on every rank: this run's saves may prune it
     run.checkpointer.last_saved = run.position.step  # saved already: not again at the end
+    validation.restored(run)  # the best checkpoint kept again
     run.training_log.resume(run.position, truncate=run.position.step < run.total_steps)
     apply_changed_settings(run, saved_config)
     log.info("resumed from %s: step %d, epoch %d, %d step(s) into it", resume_from,

@@ -54,6 +54,8 @@ class Run:
     plateau: torch.optim.lr_scheduler.ReduceLROnPlateau | None = None
     buckets_settled: bool = False  # resumed: see epoch_steps
     evaluated: torch.nn.Module | None = None  # parallel.for_evaluation's, when compiling
+    validation: object = None  # validation.Validation: the cadence, the best, early stopping
+    exported: dict | None = None  # which weights model.pt holds: {"from": last | best, "step"}
 
     def parts(self) -> dict:
         """Everything a checkpoint saves and a resume restores, by name."""
@@ -61,7 +63,8 @@ class Run:
         # checkpoint resumes at any process count and with either strategy.
         return {"model": ModelState(self.model), "optimizer": ModelState(self.model,
                 self.optimizer), "scheduler": self.scheduler, "scaler": self.scaler,
-                "train_log": self.training_log, "plateau": self.plateau}
+                "train_log": self.training_log, "plateau": self.plateau,
+                "validation": self.validation}
 
     def model_for_evaluation(self) -> torch.nn.Module:
         """What validation and the smoke test's test batch run: the user's module, compiled when

@@ -363,6 +363,17 @@ class TrainingLog:
             self.writer().write("metrics.jsonl", record, scalars, step, {**scalars, **rest})
         return record
 
+    def validation_record(self, epoch: int, step: int, val: dict) -> dict:
+        """A step-cadence validation's record (train.val_every_steps), written as end_epoch's
+        is, marked mid_epoch: the validation metrics and their time."""
+        record = {"epoch": epoch, "step": step, "mid_epoch": True}
+        record.update({f"val_{name}": value for name, value in val.items()})
+        record["val_seconds"] = self.now() - self.validation_start
+        if self.env.is_main:
+            scalars = {f"val/{name}": value for name, value in val.items()}
+            self.writer().write("metrics.jsonl", record, scalars, step)
+        return record
+
     # -- resume and output ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
@@ -383,7 +394,8 @@ class TrainingLog:
         self.purge_step = position.step + 1
         if truncate and self.env.is_main:
             _keep_records(self.run_dir / "train_log.jsonl", lambda r: r["step"] <= position.step)
-            _keep_records(self.run_dir / "metrics.jsonl", lambda r: r["epoch"] <= position.epoch)
+            _keep_records(self.run_dir / "metrics.jsonl", lambda r: r["epoch"] <= position.epoch
+                          or (r.get("mid_epoch", False) and r["step"] <= position.step))
 
     def writer(self) -> Writer:
         """Rank 0's writer, started at the first record (not before step 1)."""

@@ -11,9 +11,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train  # noqa: E402
-from ddpkit import dist_utils  # noqa: E402
+from ddpkit import dist_utils, validation  # noqa: E402
 
-real_evaluate = train.evaluate_split
+real_evaluate = validation.evaluate_split
 calls = [0]
 
 
@@ -27,7 +27,7 @@ def evaluate_after_the_signal(*args, **kwargs):
     return real_evaluate(*args, **kwargs)
 
 
-train.evaluate_split = evaluate_after_the_signal
+validation.evaluate_split = evaluate_after_the_signal
 
 if __name__ == "__main__":
     dist_utils.run_main(train.main)
