@@ -22,7 +22,7 @@ EXPECTED_FILES = {
         "models", "tasks", "parallel", "speed", "checkpoint", "training_log", "evaluation",
         "metrics", "flops", "profiling", "trackers", "preflight", "report", "sweep",
         "run_setup", "run_state", "run_end", "resume_settings", "optimizers", "schedules", "smoke",
-        "utilization", "equivalence")),
+        "utilization", "equivalence", "validation")),
     "tests/conftest.py", "tests/fixtures.py",
     "tests/test_config.py", "tests/test_data.py", "tests/test_dist_utils.py",
     "tests/test_distributed.py", "tests/test_examples.py", "tests/test_metrics.py",
@@ -32,6 +32,7 @@ EXPECTED_FILES = {
     "tests/test_fsdp.py", "tests/reshard_probe.py", "tests/test_sweep.py",
     "tests/test_tracking.py", "tests/test_optimization.py", "tests/test_equivalence.py",
     "tests/equivalence_models.py", "tests/test_batches.py", "tests/test_transformers.py",
+    "tests/test_validation.py",
 }
 
 

@@ -20,10 +20,11 @@ differs between the runs, and Adam turns it into real steps; the table marks suc
 
 Randomness that depends on how the batch is split is switched off for both runs: dropout
 (model.dropout=0) and training augmentation (data.augment=false, which your datasets should
-honour too). The steps stay inside the first epoch's full global batches (the last batch of an
-epoch is padded differently at different process counts); by default max(15,
-optim.warmup_steps + 5) of them, past the warmup, and a note says so when every compared step
-is still inside it.
+honour too). Both runs compare their last weights (no early stop, model.pt from the last step,
+whatever train.export says). The steps stay inside the first epoch's full global batches (the
+last batch of an epoch is padded differently at different process counts); by default
+max(15, optim.warmup_steps + 5) of them, past the warmup, and a note says so when every
+compared step is still inside it.
 
 Exit status: 0 PASS, 1 FAIL (with the first step that differs and what usually causes it),
 2 could not run (bad input, a run that failed: its one-line error is printed).
@@ -47,6 +48,8 @@ from ddpkit.config import UserError, load_config
 
 PROJECT_DIR = Path(__file__).resolve().parent
 SWITCHED_OFF = ["model.dropout=0", "data.augment=false"]  # randomness that depends on the split
+# Both runs end at the same step with their last weights: no early stop, no best checkpoint.
+LAST_WEIGHTS = ["train.early_stop_patience=0", "train.keep_best=false", "train.export=last"]
 CAUSES = """What breaks equivalence, and the fix:
   - BatchNorm: each rank normalises with its own share of the batch -> model.sync_batchnorm=true
   - randomness that differs per rank (dropout, random augmentation) -> off for this check
@@ -180,8 +183,8 @@ def main(argv: list[str]) -> int:
     try:
         load_config(overrides, world_size=args.nproc * args.accum)
         steps = steps_to_compare([*overrides, *SWITCHED_OFF], args.steps)
-        common = [*overrides, *SWITCHED_OFF, f"train.max_steps={steps}", "train.log_every=1",
-                  "train.ckpt_every=0", "train.progress_bar=false"]
+        common = [*overrides, *SWITCHED_OFF, *LAST_WEIGHTS, f"train.max_steps={steps}",
+                  "train.log_every=1", "train.ckpt_every=0", "train.progress_bar=false"]
         losses_one, losses_many, params_one, params_many = train_both(args, common, steps)
         checks = equivalence.compare_parameters(params_one, params_many, args.param_rtol,
                                                 args.param_atol)
