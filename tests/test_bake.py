@@ -31,8 +31,7 @@ EXPECTED_FILES = {
     "tests/test_cluster.py", "tests/stall_at_step.py", "tests/preempt_in_validation.py",
     "tests/test_fsdp.py", "tests/reshard_probe.py", "tests/test_sweep.py",
     "tests/test_tracking.py", "tests/test_optimization.py", "tests/test_equivalence.py",
-    "tests/equivalence_models.py", "tests/test_batches.py", "tests/test_transformers.py",
-    "tests/test_validation.py",
+    "tests/equivalence_models.py", "tests/test_batches.py", "tests/test_validation.py",
 }
 
 

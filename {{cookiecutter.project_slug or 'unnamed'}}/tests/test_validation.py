@@ -157,8 +157,8 @@ def test_an_unknown_best_metric_stops_the_run_with_one_line_from_rank_0(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [[], ["train.checkpoint_async=true"],
-                                     ["parallel.strategy=fsdp"]], ids=["sync", "async", "fsdp"])
+@pytest.mark.parametrize("variant", [[], ["parallel.strategy=fsdp", "train.checkpoint_async=true"]],
+                         ids=["ddp-sync", "fsdp-async"])
 def test_a_preemption_inside_a_validation_keeps_the_best(tmp_path, variant):
     args = [*CADENCE, *FIRST_IS_BEST, "train.log_every=1", "train.ckpt_every=0",
             "train.export=best", *variant]
