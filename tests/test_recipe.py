@@ -1,8 +1,8 @@
 """The baked README's "Bring your own" recipe, applied literally to a fresh bake: a file-backed
 dataset, a model with BatchNorm and a flag-gated head, the binary task, a loss term and a logged
 scalar of the user's own. Only the files the recipe names change; training runs on 3 processes and
-evaluation is identical on 1 and 2 (201 test samples: uneven shards), and equal to
-scikit-learn's. (Evaluation at 3 processes and more: the baked project's own tests.)"""
+evaluation is identical on 1, 2 and 3 (201 test samples: uneven shards), and equal to
+scikit-learn's."""
 
 import filecmp
 import json
@@ -74,14 +74,16 @@ def test_recipe_touches_only_the_files_it_names(applied):
     assert "PASS: 2 process(es)" in outputs[1]  # check_equivalence.py with the recipe's flags
 
 
-def test_recipe_model_evaluates_exactly_at_1_and_2_processes(applied, tmp_path):
+def test_recipe_model_evaluates_exactly_at_1_2_and_3_processes(applied, tmp_path):
     _, project, _ = applied
     run_dir = min((project / "runs").iterdir())  # the first run: the built-in binary task
-    runs = {n: evaluate(project, run_dir, tmp_path / f"eval{n}", n) for n in (1, 2)}
-    for key, value in runs[1]["metrics"].items():
-        if key not in ("world_size", "checkpoint") and isinstance(value, float):
-            assert runs[2]["metrics"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
-    assert runs[2]["metrics"]["confusion"] == runs[1]["metrics"]["confusion"]
+    runs = {n: evaluate(project, run_dir, tmp_path / f"eval{n}", n) for n in (1, 2, 3)}
+    for n in (2, 3):
+        for key, value in runs[1]["metrics"].items():
+            if key not in ("world_size", "checkpoint") and isinstance(value, float):
+                assert runs[n]["metrics"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), (
+                    n, key)
+        assert runs[n]["metrics"]["confusion"] == runs[1]["metrics"]["confusion"]
     saved = np.load(tmp_path / "eval1" / "predictions.npz")
     labels, scores = saved["targets"], saved["predictions"]
     metrics = runs[1]["metrics"]
@@ -99,9 +101,10 @@ def test_recipe_model_evaluates_exactly_at_1_and_2_processes(applied, tmp_path):
     np.testing.assert_allclose(curve["recall"][:-1], recall[at], atol=1e-12)
     assert at[0] == 0 and (curve["precision"][-1], curve["recall"][-1]) == (1.0, 0.0)
     assert 2 < len(curve["precision"]) <= 200 < len(precision)
-    # The same points from 2 processes.
-    np.testing.assert_allclose(runs[2]["curves"]["pr"]["precision"], curve["precision"],
-                               atol=1e-12)
+    # The same points from 2 and 3 processes.
+    for n in (2, 3):
+        np.testing.assert_allclose(runs[n]["curves"]["pr"]["precision"], curve["precision"],
+                                   atol=1e-12)
     assert metrics["average_precision"] > 0.5  # it learned (positives are about 20%)
 
 
