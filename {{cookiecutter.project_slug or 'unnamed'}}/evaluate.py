@@ -109,7 +109,7 @@ def main(argv: list[str]) -> None:
                 folder.open()
             data = DataModule(run_cfg, env, device)
             task = build_task(run_cfg, data.splits)
-            input_shape = task.input_shape(data.datasets["train"][0])
+            input_shape = task.input_shape(data.first_samples()[0])
             model = build_model(run_cfg.model, input_shape, task.num_outputs,
                                 task.model_inputs(data.sample_batch()))
             checkpoint.load_model_weights(model, source, state)

@@ -1,7 +1,8 @@
 """The data module: how each rank gets its share of any dataset.
 
 A dataset builder (data_sources.py) returns `splits.Splits`: train, val and test as map-style
-`Dataset`s of any kind, in memory or read from disk. This module turns them into loaders:
+`Dataset`s of any kind, in memory or read from disk, or as streams of shards
+(`streams.ShardedStream`, planned in ddpkit/streams.py). This module turns them into loaders:
 
 - training: `DistributedSampler` (or the builder's `Splits.train_sampler`) gives each rank a
   disjoint 1/world_size of a shuffled order that is the same on every rank (same seed);
@@ -35,6 +36,7 @@ from torch.utils.data import (
     DataLoader,
     Dataset,
     DistributedSampler,
+    IterableDataset,
     Sampler,
     TensorDataset,
     default_collate,
@@ -44,6 +46,7 @@ from ddpkit.config import UserError, lookup
 from ddpkit.datasets import DATASETS
 from ddpkit.dist_utils import DistEnv, gather_objects
 from ddpkit.splits import Splits
+from ddpkit.streams import EvalPlan, RankStream, TrainPlan, as_stream
 
 log = logging.getLogger("ddp")
 
@@ -164,6 +167,8 @@ def build_splits(cfg: DictConfig) -> Splits:
         raise UserError(f"data.dataset={cfg.data.dataset}: its builder must return "
                         f"splits.Splits, not {type(splits).__name__}")
     for name in ("train", "val", "test"):
+        if isinstance(getattr(splits, name), IterableDataset):
+            setattr(splits, name, as_stream(getattr(splits, name), name))
         if len(getattr(splits, name)) == 0:
             raise UserError(f"data.dataset={cfg.data.dataset} has an empty {name} split")
     return splits
@@ -190,6 +195,14 @@ def end_with_rank(rank_pid: int, worker_id: int) -> None:
     threading.Thread(target=wait_for_rank, name="end-with-rank", daemon=True).start()
 
 
+class Step(list):
+    """The micro-batches of one optimizer step on this rank. `weight` scales this rank's loss
+    when the ranks' shares of the step differ (a stream's last step: ddpkit/streams.py), so that
+    the gradient averaged over ranks is that of the step's mean loss; 1.0 otherwise."""
+
+    weight = 1.0
+
+
 class DataModule:
     """Datasets and loaders for one rank."""
 
@@ -212,21 +225,41 @@ class DataModule:
         self.micro_batch_size = self.batch_size_per_rank // self.grad_accum_steps
         self.collate = self.splits.collate or default_collate
         self.drop_last = self.splits.drop_last
+        self._eval_loaders: dict[tuple, DataLoader] = {}
+        self.streamed = isinstance(self.splits.train, IterableDataset)
+        steps = self._stream_training() if self.streamed else self._map_training()
+        # Optimizer steps per epoch, or fewer with train.limit_train_batches. A plain number:
+        # the loop reads it every epoch.
+        self.steps_per_epoch = limited(cfg.train.limit_train_batches, steps)
+
+    def _map_training(self) -> int:
+        """The training loader of a map-style split; returns the steps of an epoch (a last,
+        smaller step takes what is left, unless the builder asked for drop_last)."""
         self.train_sampler = SkipFirst(self._train_order(self.splits))
         # No shuffle=True here: the sampler shuffles; a DataLoader refuses both.
         self.train_loader = self._loader(self.datasets["train"], self.micro_batch_size,
                                          self.train_sampler, drop_last=self.drop_last)
-        self._eval_loaders: dict[tuple, DataLoader] = {}
-        # Optimizer steps per epoch (a last, smaller step takes what is left, unless the
-        # builder asked for drop_last), or fewer with train.limit_train_batches. A plain number:
-        # the loop reads it every epoch.
         per_rank = len(self.train_sampler) / self.batch_size_per_rank
         steps = math.floor(per_rank) if self.drop_last else math.ceil(per_rank)
         if steps == 0:
-            raise UserError(f"data.dataset={cfg.data.dataset}: its training sampler gives this "
-                            f"process {len(self.train_sampler)} samples, fewer than one full "
-                            f"batch of {self.batch_size_per_rank}")
-        self.steps_per_epoch = limited(cfg.train.limit_train_batches, steps)
+            raise UserError(f"data.dataset={self.cfg.data.dataset}: its training sampler gives "
+                            f"this process {len(self.train_sampler)} samples, fewer than one "
+                            f"full batch of {self.batch_size_per_rank}")
+        return steps
+
+    def _stream_training(self) -> int:
+        """The training loader of a streamed split (ddpkit/streams.py); returns the steps of an
+        epoch."""
+        if self.splits.train_sampler is not None:
+            raise UserError(f"data.dataset={self.cfg.data.dataset}: Splits.train_sampler orders "
+                            "a map-style training split, and this one is streamed: leave it "
+                            "out (the stream's order is set by ShardedStream.shuffle_window)")
+        plan = TrainPlan(len(self.splits.train), self.cfg.train.global_batch_size,
+                         self.env.world_size, self.env.rank, self.grad_accum_steps,
+                         self.drop_last)
+        self.train_stream = RankStream(self.splits.train, plan, self.cfg.run.seed, self.collate)
+        self.train_loader = self._loader(self.train_stream, None, None)
+        return plan.steps
 
     def _train_order(self, splits: Splits) -> Sampler:
         """This rank's sampler of the training split: the builder's, or a DistributedSampler."""
@@ -252,7 +285,9 @@ class DataModule:
         them: the same batches, for a fraction of the Python work per step."""
         workers = self.cfg.data.num_workers
         collate = self.collate
-        if supports_batch_indexing(dataset) and self.splits.collate is None:
+        if isinstance(dataset, RankStream):  # its workers make whole batches
+            collate = None
+        elif supports_batch_indexing(dataset) and self.splits.collate is None:
             # batch_size=None: the loader passes each list from the BatchSampler to the
             # dataset as it is, and returns what comes back.
             sampler = BatchSampler(sampler, batch_size, drop_last=drop_last)
@@ -278,19 +313,30 @@ class DataModule:
 
     @property
     def full_steps_per_epoch(self) -> int:
-        """Optimizer steps per epoch whose global batch holds only distinct samples (the
-        sampler pads the last one with repeats when the set does not divide)."""
+        """Optimizer steps per epoch whose global batch holds only distinct samples of the
+        global batch size (the sampler pads the last one with repeats when the set does not
+        divide; a stream's last step may be smaller or larger)."""
         return min(len(self.datasets["train"]) // self.cfg.train.global_batch_size,
                    self.steps_per_epoch)
 
+    def first_samples(self, size: int = 1) -> list:
+        """The first `size` training samples (of the shards' order, for a stream)."""
+        train = self.datasets["train"]
+        if self.streamed:
+            return train.head(size)
+        return [train[index] for index in range(min(size, len(train)))]
+
     def sample_batch(self, size: int = 2):
         """The first `size` training samples made into a batch as training makes them."""
-        train = self.datasets["train"]
-        return self.collate([train[index] for index in range(min(size, len(train)))])
+        return self.collate(self.first_samples(size))
 
     def train_batches(self, epoch: int, skip_steps: int = 0):
         """This rank's batches for `epoch`, in an order that differs from epoch to epoch,
         leaving out the first `skip_steps` optimizer steps (when resuming mid-epoch)."""
+        if self.streamed:
+            self.train_stream.start(epoch, skip_steps)  # read by the workers as they begin
+            yield from self.train_loader
+            return
         self.train_sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
         self.train_sampler.start = skip_steps * self.batch_size_per_rank
         # The workers' seeds are drawn from this generator when they start (persistent: at the
@@ -304,15 +350,32 @@ class DataModule:
     def train_steps(self, epoch: int, skip_steps: int = 0):
         """The micro-batches of each optimizer step of `epoch`: lists of grad_accum_steps
         batches, fewer for a last, partial step. Ends after steps_per_epoch steps."""
-        step: list = []
+        if self.streamed:
+            yield from self._stream_steps(epoch, skip_steps)
+            return
+        step = Step()
         left = self.steps_per_epoch - skip_steps
         for batch in self.train_batches(epoch, skip_steps):
             step.append(batch)
             if len(step) == self.grad_accum_steps:
                 yield step
-                step, left = [], left - 1
+                step, left = Step(), left - 1
                 if left <= 0:
                     return
+        if step:
+            yield step
+
+    def _stream_steps(self, epoch: int, skip_steps: int):
+        """A stream's steps: its loader gives (step, weight, micro-batch), in step order."""
+        step, current = Step(), skip_steps
+        for index, weight, batch in self.train_batches(epoch, skip_steps):
+            if index != current:
+                yield step
+                if index >= self.steps_per_epoch:  # train.limit_train_batches
+                    return
+                step, current = Step(), index
+            step.weight = weight
+            step.append(batch)
         if step:
             yield step
 
@@ -328,6 +391,13 @@ class DataModule:
             if limit:  # N batches on each rank: N x batch x ranks samples; or a fraction
                 per_batch = 1 if limit < 1 else self.cfg.eval.batch_size * self.env.world_size
                 samples = limited(limit * per_batch, samples)
-            sampler = EvalShardSampler(samples, self.env.world_size, self.env.rank)
-            self._eval_loaders[key] = self._loader(dataset, self.cfg.eval.batch_size, sampler)
+            if isinstance(dataset, IterableDataset):
+                plan = EvalPlan(samples, self.cfg.eval.batch_size, self.env.world_size,
+                                self.env.rank)
+                self._eval_loaders[key] = self._loader(
+                    RankStream(dataset, plan, self.cfg.run.seed, self.collate), None, None)
+            else:
+                sampler = EvalShardSampler(samples, self.env.world_size, self.env.rank)
+                self._eval_loaders[key] = self._loader(dataset, self.cfg.eval.batch_size,
+                                                       sampler)
         return self._eval_loaders[key]

@@ -14,6 +14,9 @@ The built-in ones:
     digits_files   the same digits as one .npy file per sample + labels.csv under data.root,
                    read from disk in __getitem__, with a training-only random shift: the
                    pattern for data too big for memory (written on first use, no download)
+    digits_shards  the same digits' splits as shard files of 128 samples (.npy pairs) +
+                   counts.json, read as a stream (streams.ShardedStream): the pattern for
+                   data written as shards
     breast_cancer  scikit-learn's 569 tumours, 30 features, malignant = positive (binary)
     diabetes       scikit-learn's 442 patients, 10 features, disease progression (regression)
     synthetic      Gaussian clusters in data.synthetic_features dimensions (multiclass)
@@ -25,6 +28,7 @@ Honour `cfg.augment` in your training transform: check_equivalence.py switches i
 
 import csv
 import importlib.util
+import json
 import math
 import os
 import shutil
@@ -38,6 +42,7 @@ from torch.utils.data import Dataset
 
 from ddpkit.config import PROJECT_DIR, UserError
 from ddpkit.splits import Splits, array_splits, split_indices
+from ddpkit.streams import ShardedStream
 
 
 def sklearn_csv(name: str) -> Path | None:
@@ -104,25 +109,35 @@ def read_labels(root: Path) -> tuple[list[str], list[int]]:
     return [row["file"] for row in rows], [int(row["label"]) for row in rows]
 
 
-def write_digits_folder(root: Path) -> None:
-    """Write the digits as one .npy file per sample plus labels.csv, atomically: into a
-    temporary folder renamed into place, so ranks that start at once never see half of it."""
-    images, labels = load_digits_images()
+def write_folder_once(root: Path, marker: str, write) -> None:
+    """Make the folder `root` with `write(folder)`, atomically: into a temporary folder renamed
+    into place, so ranks that start at once never see half of it (the first one's is kept;
+    `marker`, a file `write` makes, tells a complete folder)."""
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
     try:
-        with open(tmp / "labels.csv", "w", newline="") as handle:
-            writer = csv.writer(handle)
-            writer.writerow(["file", "label"])
-            for index, (image, label) in enumerate(zip(images, labels, strict=True)):
-                np.save(tmp / f"{index:05d}.npy", image)
-                writer.writerow([f"{index:05d}.npy", int(label)])
+        write(tmp)
         os.rename(tmp, root)  # fails if another process got there first: theirs is as good
     except OSError:
-        if not (root / "labels.csv").is_file():
+        if not (root / marker).is_file():
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_digits_folder(root: Path) -> None:
+    """Write the digits as one .npy file per sample plus labels.csv (write_folder_once)."""
+    images, labels = load_digits_images()
+
+    def write(folder: Path) -> None:
+        with open(folder / "labels.csv", "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["file", "label"])
+            for index, (image, label) in enumerate(zip(images, labels, strict=True)):
+                np.save(folder / f"{index:05d}.npy", image)
+                writer.writerow([f"{index:05d}.npy", int(label)])
+
+    write_folder_once(root, "labels.csv", write)
 
 
 def digits_files(cfg: DictConfig) -> Splits:
@@ -138,6 +153,74 @@ def digits_files(cfg: DictConfig) -> Splits:
 
     return Splits(part("train", random_shift if cfg.augment else None), part("val"), part("test"),
                   task="multiclass", num_classes=max(labels) + 1)
+
+
+# --- digits_shards: the digits as shard files, read as a stream ------------------------------
+
+SHARD_SAMPLES = 128  # samples per shard file of digits_shards (the last of a split has fewer)
+
+
+class NpyShard:
+    """One shard of digits_shards: `<name>.x.npy` (inputs) and `<name>.y.npy` (labels), memory
+    mapped, so that indexing reads only the rows asked for."""
+
+    def __init__(self, prefix: str):
+        self.inputs = np.load(f"{prefix}.x.npy", mmap_mode="r")
+        self.labels = np.load(f"{prefix}.y.npy", mmap_mode="r")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, row: int):
+        return torch.from_numpy(np.array(self.inputs[row])), torch.tensor(int(self.labels[row]))
+
+
+def shift_sample(sample: tuple) -> tuple:
+    """random_shift of a sample's inputs (a stream's transform takes the whole sample)."""
+    inputs, target = sample
+    return random_shift(inputs), target
+
+
+def write_digits_shards(root: Path, cfg: DictConfig) -> None:
+    """Write the digits' train / val / test splits (data.split_seed's) as shards of
+    SHARD_SAMPLES samples plus counts.json (write_folder_once)."""
+    images, labels = load_digits_images()
+    chosen = split_indices(cfg, len(labels), labels)
+
+    def write(folder: Path) -> None:
+        counts: dict[str, dict[str, int]] = {}
+        for split, rows in chosen.items():
+            counts[split] = {}
+            for number, start in enumerate(range(0, len(rows), SHARD_SAMPLES)):
+                part, name = rows[start:start + SHARD_SAMPLES], f"{split}-{number:05d}"
+                np.save(folder / f"{name}.x.npy", images[part])
+                np.save(folder / f"{name}.y.npy", labels[part])
+                counts[split][name] = len(part)
+        (folder / "counts.json").write_text(json.dumps(counts, indent=1) + "\n")
+
+    write_folder_once(root, "counts.json", write)
+
+
+def digits_shards(cfg: DictConfig) -> Splits:
+    """The digits as a stream of shard files under data.root (written once, from
+    data.split_seed's split, when data.root is left empty): train shuffled across windows of 4
+    shards and within them, augmented by random_shift when data.augment is on."""
+    root = Path(cfg.root) if cfg.root else PROJECT_DIR / "data" / f"digits_shards-{cfg.split_seed}"
+    if not cfg.root and not root.exists():
+        write_digits_shards(root, cfg)
+    table = root / "counts.json"
+    if not table.is_file():
+        raise UserError(f"data.root={root} has no counts.json: point data.root at a folder "
+                        "written by digits_shards")
+    counts = json.loads(table.read_text())
+
+    def stream(split: str, transform=None) -> ShardedStream:
+        names = sorted(counts[split])
+        return ShardedStream([str(root / name) for name in names], NpyShard,
+                             [counts[split][name] for name in names], transform=transform)
+
+    return Splits(stream("train", shift_sample if cfg.augment else None), stream("val"),
+                  stream("test"), task="multiclass", num_classes=10)
 
 
 # --- scikit-learn's tabular sets -----------------------------------------------------------------
@@ -219,6 +302,7 @@ def images(cfg: DictConfig) -> Splits:
 DATASETS = {
     "digits": digits,
     "digits_files": digits_files,
+    "digits_shards": digits_shards,
     "breast_cancer": breast_cancer,
     "diabetes": diabetes,
     "synthetic": synthetic,

@@ -104,7 +104,7 @@ def build(cfg):
     torch.manual_seed(cfg.run.seed)
     data = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
     task = build_task(cfg, data.splits)
-    model = build_model(cfg.model, task.input_shape(data.datasets["train"][0]), task.num_outputs)
+    model = build_model(cfg.model, task.input_shape(data.first_samples()[0]), task.num_outputs)
     return data, task, model
 
 

@@ -36,6 +36,7 @@ from ddpkit.dist_utils import Supervisor
 from ddpkit.models import call_model
 from ddpkit.parallel import is_sharded
 from ddpkit.speed import FLOAT32, Speed
+from ddpkit.streams import RankStream
 from ddpkit.tasks import Task
 
 log = logging.getLogger("ddp")
@@ -59,7 +60,10 @@ def as_float64(outputs):
 
 
 def shard_sizes(loader: DataLoader) -> list[int] | None:
-    """Every rank's sample count, when the loader's sampler knows it without asking."""
+    """Every rank's sample count, when the loader's sampler (or a stream's plan) knows it
+    without asking."""
+    if isinstance(loader.dataset, RankStream):
+        return loader.dataset.block_sizes
     sampler = loader.sampler.sampler if isinstance(loader.sampler, BatchSampler) else loader.sampler
     return sampler.block_sizes() if isinstance(sampler, EvalShardSampler) else None
 
@@ -208,7 +212,10 @@ def evaluate_split(model: torch.nn.Module, loader: DataLoader, device: torch.dev
 def batch_counts(loader: DataLoader) -> list[int]:
     """Every rank's number of batches ([] when the shards' sizes are not known)."""
     sizes = shard_sizes(loader) or []
-    batch_size = loader.batch_size or loader.sampler.batch_size  # whole batches: a BatchSampler
+    if isinstance(loader.dataset, RankStream):
+        batch_size = loader.dataset.plan.batch
+    else:  # whole batches: a BatchSampler
+        batch_size = loader.batch_size or loader.sampler.batch_size
     return [math.ceil(size / batch_size) for size in sizes]
 
 

@@ -38,7 +38,7 @@ def start_run(argv: list[str]) -> Run:
             torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP syncs too)
             data = DataModule(cfg, env, device)
             task = build_task(cfg, data.splits)
-            input_shape = task.input_shape(data.datasets["train"][0])
+            input_shape = task.input_shape(data.first_samples()[0])
             model = build_model(cfg.model, input_shape, task.num_outputs,
                                 task.model_inputs(data.sample_batch()))
             speed = resolve_speed(cfg, device, input_shape)

@@ -125,9 +125,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     forward whether the coming backward will communicate.
     """
     optimizer.zero_grad(set_to_none=True)
+    weight = getattr(micro_batches, "weight", 1.0)  # data.Step: this rank's share of the step
     if len(micro_batches) == 1:  # no accumulation: the common case, with no bookkeeping
         samples = count_samples(micro_batches[0])
-        values = forward_backward(model, micro_batches[0], task, device, speed, scaler)
+        values = forward_backward(model, micro_batches[0], task, device, speed, scaler,
+                                  weight=weight)
     else:
         sizes = [count_samples(batch) for batch in micro_batches]
         samples = sum(sizes)
@@ -139,7 +141,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
             share = size / samples
             with (skip_gradient_sync(model) if index < len(micro_batches) - 1
                   else contextlib.nullcontext()):
-                part = forward_backward(model, batch, task, device, speed, scaler, share)
+                part = forward_backward(model, batch, task, device, speed, scaler, share,
+                                        weight)
             for name, value in part.items():
                 values[name] = values[name] + value if name in values else value
     grad_norm = None
@@ -158,15 +161,16 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
 
 
 def forward_backward(model: torch.nn.Module, batch, task: Task, device: torch.device,
-                     speed: Speed, scaler: torch.amp.GradScaler | None, share: float = 1.0
-                     ) -> dict[str, torch.Tensor]:
-    """Forward and backward of one micro-batch whose loss counts `share` of the step's; returns
-    its logged values (detached), times `share`."""
+                     speed: Speed, scaler: torch.amp.GradScaler | None, share: float = 1.0,
+                     weight: float = 1.0) -> dict[str, torch.Tensor]:
+    """Forward and backward of one micro-batch whose loss counts `share` of the step's on this
+    rank, and this rank's loss `weight` times the ranks' mean share (data.Step); returns its
+    logged values (detached), times `share`."""
     batch = to_device(batch, device)
     with speed.autocast(device):
         outputs = call_model(model, speed.inputs(task.model_inputs(batch)))
         terms = loss_terms(task.loss(outputs, batch))
-    loss = terms["loss"] if share == 1 else terms["loss"] * share
+    loss = terms["loss"] if share * weight == 1 else terms["loss"] * (share * weight)
     (scaler.scale(loss) if scaler else loss).backward()
     # The task's scalars are computed from outputs cut off the graph: they build none, with no
     # no_grad() context to enter and leave every step.

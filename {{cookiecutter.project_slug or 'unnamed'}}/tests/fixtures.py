@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit.config import UserError
-from ddpkit.splits import Splits, array_splits, split_indices
+from ddpkit.splits import Splits, TensorSamples, array_splits, split_indices
+from ddpkit.streams import ShardedStream
 from ddpkit.tasks import MulticlassTask
 
 SAMPLES = 352  # -> 228 train (divisible by 1, 2, 3, 4, 6), 53 val, 71 test (neither by 2 nor 3)
@@ -121,6 +122,65 @@ def dict_vectors(cfg) -> Splits:
         part = getattr(splits, name)
         setattr(splits, name, DictSamples(part.inputs, part.targets))
     return splits
+
+
+# --- Streams: splits as shards (ddpkit/streams.py) -------------------------------------------
+
+def whole_shard(shard: TensorSamples) -> TensorSamples:
+    """A shard that is already in memory: indexed row by row."""
+    return shard
+
+
+def add_sample_noise(sample: tuple) -> tuple:
+    inputs, target = sample
+    return inputs + 0.1 * torch.randn_like(inputs), target
+
+
+def as_shards(part: TensorSamples, cuts: list[int], transform=None) -> ShardedStream:
+    bounds = [0, *cuts, len(part)]
+    shards = [TensorSamples(part.inputs[a:b], part.targets[a:b])
+              for a, b in zip(bounds, bounds[1:], strict=False)]
+    return ShardedStream(shards, whole_shard, [len(shard) for shard in shards], transform)
+
+
+def stream_vectors(cfg) -> Splits:
+    """vectors streamed: train in 7 uneven shards (noise added per sample when data.augment),
+    val in 2 and test in 3, each split's samples in the order of vectors' split."""
+    splits = vectors(cfg)
+    splits.train = as_shards(splits.train, [30, 41, 97, 130, 181, 200],
+                             add_sample_noise if cfg.augment else None)
+    splits.val, splits.test = as_shards(splits.val, [20]), as_shards(splits.test, [25, 50])
+    return splits
+
+
+ID_SHARDS = [13, 9, 17, 5, 11, 8, 14]  # 77 samples in 7 shards: neither divides by 3 or 6
+
+
+def id_shard(shard: tuple[int, int]):
+    """A shard read in order only (a generator): samples ([id, 0], id % 4) for its ids."""
+    first, count = shard
+    for index in range(first, first + count):
+        yield torch.tensor([float(index), 0.0]), torch.tensor(index % 4)
+
+
+def draw_second(sample: tuple) -> tuple:
+    """A random second feature: the augmentation the probe compares across process counts."""
+    inputs, target = sample
+    return torch.stack([inputs[0], torch.rand(())]), target
+
+
+def id_streams(sizes: list[int], first: int, transform=None) -> ShardedStream:
+    starts = first + np.cumsum([0, *sizes[:-1]])
+    return ShardedStream([(int(start), size) for start, size in zip(starts, sizes, strict=True)],
+                         id_shard, sizes, transform, shuffle_window=3)
+
+
+def id_stream(cfg) -> Splits:
+    """Samples that name themselves (ids 0..76 in train, 1000.. in val, 2000.. in test), read as
+    streams of uneven shards by a reader that cannot index."""
+    return Splits(id_streams(ID_SHARDS, 0, draw_second if cfg.augment else None),
+                  id_streams([10, 7, 12], 1000), id_streams([10, 7, 12], 2000),
+                  task="multiclass", num_classes=4)
 
 
 class MLP(nn.Module):

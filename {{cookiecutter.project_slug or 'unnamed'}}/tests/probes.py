@@ -10,6 +10,8 @@ Usage: torchrun --nproc_per_node=N tests/probes.py PROBE OUT_DIR key=value...
                  hook over a few optimizer steps of ddpkit.run_state.train_step
   workers        OUT_DIR/workers.json: whether loaders with data.num_workers worker processes
                  give the batches of in-process loading, and each worker's random state
+  streams        OUT_DIR/rank<R>.json: a stream's steps (ids, drawn features, weight) in two
+                 epochs and from a resumed step, and this rank's test ids
 """
 
 import json
@@ -129,8 +131,23 @@ def workers(cfg, env, data, out_dir: Path) -> None:
         (out_dir / "workers.json").write_text(json.dumps(everyone))
 
 
+def stream_steps(steps) -> list[dict]:
+    """Each step of fixtures.id_stream as this rank has it: its samples' ids and drawn second
+    features (micro-batches in order), and its weight."""
+    return [{"ids": [int(i) for batch in step for i in batch[0][:, 0]],
+             "drawn": [float(x) for batch in step for x in batch[0][:, 1]],
+             "weight": step.weight} for step in steps]
+
+
+def streams(cfg, env, data, out_dir: Path) -> None:
+    record = {"epochs": [stream_steps(data.train_steps(epoch)) for epoch in range(2)],
+              "resumed": stream_steps(data.train_steps(1, skip_steps=4)),
+              "test": [int(i) for inputs, _ in data.eval_loader("test") for i in inputs[:, 0]]}
+    (out_dir / f"rank{env.rank}.json").write_text(json.dumps(record))
+
+
 PROBES = {"shards": shards, "padding-bias": padding_bias, "allreduce": allreduce,
-          "workers": workers}
+          "workers": workers, "streams": streams}
 
 
 def main(argv: list[str]) -> None:

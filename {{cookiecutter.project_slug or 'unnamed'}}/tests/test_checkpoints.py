@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_distributed import assert_same_numbers, evaluate_with
 from test_faults import epoch_records, finish, kill_worker, launch, logged_steps, wait_for
 
-from conftest import TINY, TRIALS, RunsCode, only_run_dir, run
+from conftest import TINY, TRIALS, RunsCode, fixture, only_run_dir, run
 from ddpkit import checkpoint
 from ddpkit.checkpoint import (
     MODEL_FILE,
@@ -87,9 +87,11 @@ def test_fsdp_killed_at_a_random_step_resumes_bitwise(tmp_path, uninterrupted, t
 
 # DDP at 3 processes: a sum over three ranks depends on the order of its terms, which DDP's
 # gradient buckets decide; a resumed process must all-reduce in the layout the uninterrupted
-# run had at that step (parallel.settle_gradient_buckets). Dropout and BatchNorm on.
+# run had at that step (parallel.settle_gradient_buckets). Dropout, BatchNorm and augmentation
+# on; the data streamed from 7 uneven shards by 2 loader workers per rank (ddpkit/streams.py).
 DDP3 = [*TINY, "train.epochs=4", "train.log_every=1", "train.ckpt_every=7",
-        "train.keep_checkpoints=0", "model.dropout=0.1", "model.batchnorm=true"]
+        "train.keep_checkpoints=0", "model.dropout=0.1", "model.batchnorm=true",
+        f"data.dataset={fixture('stream_vectors')}", "data.num_workers=2"]
 
 
 @pytest.fixture(scope="module")

@@ -130,17 +130,24 @@ def test_classification_trains_with_run_sh_and_evaluates_exactly(tmp_path, tiny_
     exported = torch.load(run_dir / "model.pt", weights_only=True)["model"]
     assert all(torch.equal(exported[k], weights[k]) for k in weights)
 
-    # The same checkpoint evaluated by 1, 2 and 3 processes: the same numbers, curves included.
-    runs = evaluate_at(tmp_path, run_dir)
+    # The same checkpoint evaluated by 1 process, then with its test split streamed from 3
+    # uneven shards (ddpkit/streams.py) by 1, 2 and 3 processes: the same numbers and curves.
+    runs = evaluate_at(tmp_path, run_dir, counts=(1,))
+    for n in (1, 2, 3):
+        stream = evaluate_with(run_dir, tmp_path / f"stream{n}", n,
+                               f"data.dataset={fixture('stream_vectors')}")
+        assert_same_numbers(stream["metrics"], runs[1]["metrics"])
+        assert_same_numbers(stream["curves"], runs[1]["curves"])
+        runs[n if n > 1 else "stream"] = stream
     metrics = runs[1]["metrics"]
     assert metrics["accuracy"] > 0.8
 
     agrees_with_scikit_learn(tmp_path, run_dir, runs)
 
     # Outputs a person and TensorBoard can open.
-    png = tmp_path / "eval3" / "pr_curves.png"
+    png = tmp_path / "stream3" / "pr_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    events = EventAccumulator(str(tmp_path / "eval3" / "tb"), size_guidance={"tensors": 0})
+    events = EventAccumulator(str(tmp_path / "stream3" / "tb"), size_guidance={"tensors": 0})
     events.Reload()
     tags = events.Tags()
     assert {f"test/pr_curve/class_{c}" for c in range(4)} <= set(tags["tensors"])

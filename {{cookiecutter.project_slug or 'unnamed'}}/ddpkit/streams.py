@@ -1,0 +1,300 @@
+"""Streamed splits: data read shard by shard, split over ranks and their loader workers.
+
+A builder returns a `ShardedStream` for any split whose data is written as shard files (npy,
+jsonl, parquet, tar, ...) too big to index as a map-style dataset: the list of shards, a function
+that reads one, and how many samples each holds. The engine never reads a whole split into
+memory, and each rank and worker reads only the shards (and, where the reader can index, only the
+rows) that hold its own samples.
+
+How an epoch is cut (the *plan*, a pure function of run.seed, the epoch and the sample counts):
+
+- **Order.** Shards are shuffled by (run.seed, epoch); consecutive groups of `shuffle_window`
+  shards are each shuffled as one pool of samples (across and within shards). Validation and test
+  splits keep the shards' own order. The order does not depend on the process or worker count.
+- **Steps.** Global step k takes positions k x B .. (k+1) x B of that order (B: the global batch),
+  and rank r the r-th of W equal slices of it, so the global batch of every step is the same at
+  any process count. An epoch has ceil(N / B) steps and every rank takes each one, so no rank
+  waits for another. The remainder: the last step holds the R < B samples left, split over the
+  ranks (shares differ by at most one); each rank's loss is weighted by its share
+  (`Step.weight`), so the gradient averaged over ranks is that of the step's mean loss. A rank
+  whose share is empty (R smaller than the process count) runs the step's first sample at weight
+  0: it takes part in the gradient all-reduce and adds nothing (its BatchNorm statistics do see
+  that sample). Every sample counts exactly once an epoch. Splits(drop_last=True) leaves the
+  remainder out instead.
+- **Workers.** A rank's micro-batches are dealt to its loader workers in turn (0, 1, 0, 1, ...),
+  which is the order the DataLoader collects them in, so the batches do not depend on the worker
+  count either.
+- **Randomness.** A `transform` (the training augmentation) draws from torch's generator seeded
+  per sample by (run.seed, epoch, position): the same at any process or worker count and after a
+  resume.
+- **Resume.** The plan from step s on is known from (epoch, s) alone, so a resumed run, at the same
+  or another process count, reads exactly the samples an uninterrupted run would have read next.
+  (torchdata's StatefulDataLoader would save each worker's iterator instead: a state tied to one
+  process and worker count, which this plan does not need.)
+- **Evaluation.** Rank r reads the r-th contiguous block of the split in shard order; each sample
+  is scored once, and the blocks in rank order are the split's order (evaluation.py).
+"""
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ddpkit.config import UserError
+
+
+class ShardedStream(IterableDataset):
+    """A split stored as shards: `read(shard)` gives one shard's samples, either as an iterable
+    (read in order; the rows of other ranks are skipped) or as an object with `len()` and
+    indexing (a numpy memmap, a list, a Hugging Face Dataset: only this rank's rows are read).
+
+    `counts[i]` is the number of samples of `shards[i]`: the engine plans every epoch with them
+    (steps, the split over ranks) before reading anything. Leave it out to count once by reading
+    every shard (slow for large data: write the counts next to the shards). `transform` takes
+    each sample after reading and returns it changed (its randomness: the module's docstring).
+    The shards and `read` must be picklable (module-level functions): loader workers get them.
+
+    Iterating it directly gives every sample in shard order (for a look at the data); training
+    and evaluation read it through the engine's plan.
+    """
+
+    def __init__(self, shards: Sequence, read: Callable, counts: Sequence[int] | None = None,
+                 transform: Callable | None = None, shuffle_window: int = 4):
+        self.shards, self.read, self.transform = list(shards), read, transform
+        if not self.shards:
+            raise UserError("a ShardedStream was given no shards: check the folder or pattern "
+                            "its builder reads")
+        if counts is None:
+            counts = [_count(read(shard)) for shard in self.shards]
+        self.counts = np.asarray(counts, dtype=np.int64)
+        if len(self.counts) != len(self.shards) or (self.counts < 0).any():
+            raise UserError(f"a ShardedStream has {len(self.shards)} shards but counts "
+                            f"{list(counts)[:5]}...: give one sample count (>= 0) per shard")
+        if shuffle_window < 1:
+            raise UserError(f"ShardedStream(shuffle_window={shuffle_window}): use 1 or more "
+                            "shards")
+        self.shuffle_window = shuffle_window
+
+    def __len__(self) -> int:
+        return int(self.counts.sum())
+
+    def __iter__(self):
+        for shard in self.shards:
+            yield from _all_rows(self.read(shard))
+
+    def head(self, size: int) -> list:
+        """The first `size` samples in shard order, untransformed (no random draw)."""
+        return list(itertools.islice(iter(self), size))
+
+
+def _count(rows) -> int:
+    return len(rows) if hasattr(rows, "__len__") else sum(1 for _ in rows)
+
+
+def _all_rows(rows) -> Iterable:
+    if hasattr(rows, "__getitem__") and hasattr(rows, "__len__"):
+        return (rows[index] for index in range(len(rows)))
+    return rows
+
+
+def as_stream(dataset: IterableDataset, name: str) -> ShardedStream:
+    """A split the engine can plan: a ShardedStream as it is; any other IterableDataset as one
+    shard read in full by every rank (correct, but each rank reads everything), if it has a
+    length."""
+    if isinstance(dataset, ShardedStream):
+        return dataset
+    try:
+        count = len(dataset)
+    except TypeError:
+        raise UserError(f"the {name} split is an IterableDataset without a length: return a "
+                        "streams.ShardedStream (its shards, a reader and the sample count of "
+                        "each) so that every rank knows how many steps to take") from None
+    return ShardedStream([dataset], _itself, [count], shuffle_window=1)
+
+
+def _itself(dataset):
+    return dataset
+
+
+class EpochOrder:
+    """Which sample (shard, row) sits at each position of an epoch."""
+
+    def __init__(self, stream: ShardedStream, seed: int, epoch: int, shuffle: bool):
+        self.stream, self.seed, self.epoch, self.shuffle = stream, seed, epoch, shuffle
+        counts = stream.counts
+        self.shard_order = (np.random.default_rng([seed, epoch]).permutation(len(counts))
+                            if shuffle else np.arange(len(counts)))
+        self.window = stream.shuffle_window if shuffle else 1
+        starts = np.concatenate([[0], np.cumsum(counts[self.shard_order])])
+        self.window_starts = np.append(starts[:-1][::self.window], starts[-1])
+
+    def window_of(self, position: int) -> int:
+        return int(np.searchsorted(self.window_starts, position, side="right")) - 1
+
+    def window_samples(self, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, row) of each position of a window, in order."""
+        shards = self.shard_order[window * self.window:(window + 1) * self.window]
+        counts = self.stream.counts[shards]
+        shard_ids = np.repeat(shards, counts)
+        rows = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        if self.shuffle:
+            pick = np.random.default_rng([self.seed, self.epoch, window]).permutation(len(rows))
+            shard_ids, rows = shard_ids[pick], rows[pick]
+        return shard_ids, rows
+
+    def sample_seed(self, position: int) -> int:
+        return ((self.seed * 1_000_003 + self.epoch) * 2_147_483_647 + position) % 2**63
+
+
+class TrainPlan:
+    """Rank `rank`'s share of each training step (see the module's docstring)."""
+
+    shuffle = True
+
+    def __init__(self, samples: int, global_batch: int, world: int, rank: int,
+                 micro_batches: int, drop_last: bool):
+        self.samples, self.batch, self.world, self.rank = samples, global_batch, world, rank
+        self.micro_batches = micro_batches
+        full, remainder = divmod(samples, global_batch)
+        self.steps = full + (1 if remainder and not drop_last else 0)
+
+    def step_range(self, step: int) -> tuple[int, int]:
+        start = step * self.batch
+        return start, min(start + self.batch, self.samples)
+
+    def chunks(self, start_step: int) -> list[tuple[int, float, int, int]]:
+        """(step, weight, first, end) of each of this rank's micro-batches from `start_step`."""
+        out = []
+        for step in range(start_step, self.steps):
+            first, end = self.step_range(step)
+            size = end - first
+            lo = first + self.rank * size // self.world
+            hi = first + (self.rank + 1) * size // self.world
+            weight = (hi - lo) * self.world / size  # 1.0 exactly when the ranks' shares match
+            if hi == lo:  # nothing left for this rank: the step's first sample, adding nothing
+                out.append((step, 0.0, first, first + 1))
+                continue
+            mine = hi - lo
+            for part in range(self.micro_batches):
+                a = lo + part * mine // self.micro_batches
+                b = lo + (part + 1) * mine // self.micro_batches
+                if b > a:
+                    out.append((step, weight, a, b))
+        return out
+
+
+class EvalPlan:
+    """Rank `rank`'s contiguous block of an evaluated split, in batches."""
+
+    shuffle = False
+
+    def __init__(self, samples: int, batch: int, world: int, rank: int):
+        self.samples, self.batch, self.world = samples, batch, world
+        self.first = rank * samples // world
+        self.end = (rank + 1) * samples // world
+
+    def block_sizes(self) -> list[int]:
+        n, world = self.samples, self.world
+        return [(r + 1) * n // world - r * n // world for r in range(world)]
+
+    def chunks(self, start_step: int = 0) -> list[tuple[int, float, int, int]]:
+        return [(index, 1.0, lo, min(lo + self.batch, self.end))
+                for index, lo in enumerate(range(self.first, self.end, self.batch))]
+
+
+class RankStream(IterableDataset):
+    """What one rank's DataLoader iterates: its micro-batches of a plan, each worker its turns,
+    as (step, weight, batch) in training and as batches in evaluation. The epoch and the first
+    step are read from `control`, a tensor in shared memory, when an iteration starts:
+    persistent workers see the values the rank set."""
+
+    def __init__(self, stream: ShardedStream, plan, seed: int, collate: Callable):
+        self.stream, self.plan, self.seed, self.collate = stream, plan, seed, collate
+        self.control = torch.zeros(2, dtype=torch.int64).share_memory_()  # epoch, first step
+
+    def start(self, epoch: int, step: int) -> None:
+        self.control[0], self.control[1] = epoch, step
+
+    def __len__(self) -> int:
+        return len(self.plan.chunks(0))
+
+    @property
+    def block_sizes(self):
+        return self.plan.block_sizes() if isinstance(self.plan, EvalPlan) else None
+
+    def __iter__(self):
+        epoch, first_step = self.control.tolist()
+        worker = get_worker_info()
+        index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
+        chunks = self.plan.chunks(first_step)[index::workers]
+        order = EpochOrder(self.stream, self.seed, epoch, self.plan.shuffle)
+        training = isinstance(self.plan, TrainPlan)
+        for step, weight, samples in read_chunks(self.stream, order, chunks):
+            yield (step, weight, self.collate(samples)) if training else self.collate(samples)
+
+
+def read_chunks(stream: ShardedStream, order: EpochOrder, chunks: list):
+    """The samples of each chunk (step, weight, first, end), reading each window of shards once
+    for all the chunks that need it: memory holds this worker's samples of a window or two."""
+    held: dict[int, object] = {}  # position -> sample, read ahead of its chunk
+    loaded = -1  # the last window read
+    for index, (step, weight, first, end) in enumerate(chunks):
+        while order.window_of(end - 1) > loaded:
+            loaded += 1
+            held.update(_read_window(stream, order, loaded, chunks[index:]))
+        samples = [held.pop(position) for position in range(first, end)]
+        if stream.transform is not None:
+            with torch.random.fork_rng(devices=[]):  # the rank's own generator is left as it was
+                for offset, position in enumerate(range(first, end)):
+                    torch.manual_seed(order.sample_seed(position))
+                    samples[offset] = stream.transform(samples[offset])
+        yield step, weight, samples
+
+
+def _read_window(stream: ShardedStream, order: EpochOrder, window: int, chunks: list) -> dict:
+    """This worker's samples of one window (the positions of `chunks` inside it)."""
+    start, stop = order.window_starts[window], order.window_starts[window + 1]
+    wanted = []
+    for _, _, first, end in chunks:
+        if first >= stop:
+            break
+        wanted.extend(range(max(first, start), min(end, stop)))
+    if not wanted:
+        return {}
+    shard_ids, rows = order.window_samples(window)
+    local = np.asarray(wanted) - start
+    samples = {}
+    for shard in np.unique(shard_ids[local]):
+        mine = local[shard_ids[local] == shard]
+        by_row = _read_rows(stream, int(shard), rows[mine])
+        for position, row in zip(mine + start, rows[mine], strict=True):
+            samples[int(position)] = by_row[int(row)]
+    return samples
+
+
+def _read_rows(stream: ShardedStream, shard: int, rows: np.ndarray) -> dict:
+    """{row: sample} of the given rows of one shard."""
+    data = stream.read(stream.shards[shard])
+    expected = int(stream.counts[shard])
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        if len(data) != expected:
+            raise _miscounted(stream, shard, len(data))
+        return {int(row): data[int(row)] for row in rows}
+    wanted, last, found = set(rows.tolist()), int(rows.max()), {}
+    seen = 0
+    for seen, sample in enumerate(data, start=1):
+        if seen - 1 in wanted:
+            found[seen - 1] = sample
+        if seen - 1 == last:
+            break
+    if len(found) < len(wanted):
+        raise _miscounted(stream, shard, seen)
+    return found
+
+
+def _miscounted(stream: ShardedStream, shard: int, found: int) -> UserError:
+    return UserError(f"shard {stream.shards[shard]!r} holds {found} samples but its "
+                     f"ShardedStream counts {int(stream.counts[shard])}: fix the counts given "
+                     "for it")
