@@ -89,14 +89,19 @@ class ShardedStream(IterableDataset):
         return list(itertools.islice(iter(self), size))
 
 
+def _indexable(rows) -> bool:
+    """Whether a shard's reader gave rows to index (an IterableDataset inherits an indexing
+    that fails: it is read in order)."""
+    return (hasattr(rows, "__getitem__") and hasattr(rows, "__len__")
+            and not isinstance(rows, IterableDataset))
+
+
 def _count(rows) -> int:
     return len(rows) if hasattr(rows, "__len__") else sum(1 for _ in rows)
 
 
 def _all_rows(rows) -> Iterable:
-    if hasattr(rows, "__getitem__") and hasattr(rows, "__len__"):
-        return (rows[index] for index in range(len(rows)))
-    return rows
+    return (rows[index] for index in range(len(rows))) if _indexable(rows) else rows
 
 
 def as_stream(dataset: IterableDataset, name: str) -> ShardedStream:
@@ -278,7 +283,7 @@ def _read_rows(stream: ShardedStream, shard: int, rows: np.ndarray) -> dict:
     """{row: sample} of the given rows of one shard."""
     data = stream.read(stream.shards[shard])
     expected = int(stream.counts[shard])
-    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+    if _indexable(data):
         if len(data) != expected:
             raise _miscounted(stream, shard, len(data))
         return {int(row): data[int(row)] for row in rows}
@@ -295,6 +300,11 @@ def _read_rows(stream: ShardedStream, shard: int, rows: np.ndarray) -> dict:
 
 
 def _miscounted(stream: ShardedStream, shard: int, found: int) -> UserError:
+    if stream.read is _itself:  # as_stream's one shard: the user's IterableDataset
+        return UserError(f"{type(stream.shards[0]).__name__} yielded {found} samples in a loader "
+                         f"worker but its len() is {int(stream.counts[0])}: yield every sample in "
+                         "every process and worker (the engine splits the stream; do not split "
+                         "it by get_worker_info() yourself)")
     return UserError(f"shard {stream.shards[shard]!r} holds {found} samples but its "
                      f"ShardedStream counts {int(stream.counts[shard])}: fix the counts given "
                      "for it")

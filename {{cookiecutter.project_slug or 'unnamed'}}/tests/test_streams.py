@@ -88,7 +88,8 @@ def test_three_processes_with_two_workers_each_see_every_sample_once(tmp_path):
     assert [i for rank in ranks for i in rank["test"]] == list(range(2000, 2029))
 
     # The same seed at 1 and 2 processes, without workers: the same global batches, the same
-    # draws of the augmentation, in the same order (the global batch held at 12).
+    # draws of the augmentation, in the same order (the global batch held at 12). Resumed at
+    # step 4 by 1 or 2 processes, the 3-process epoch goes on: every remaining sample once.
     for world in (1, 2):
         records = in_process(world)
         assert [global_steps([r["epochs"][e] for r in records]) for e in range(2)] == orders
@@ -104,6 +105,10 @@ def test_a_stream_without_a_length_or_with_wrong_counts_is_one_line():
 
     with pytest.raises(UserError, match="without a length: return a streams.ShardedStream"):
         as_stream(Endless(), "train")
+    Endless.__len__ = lambda self: 2  # says 2, yields 1 (as one that splits itself by worker)
+    wrapped = as_stream(Endless(), "train")
+    with pytest.raises(UserError, match=r"Endless yielded 1 samples .* len\(\) is 2: yield every"):
+        list(read_chunks(wrapped, EpochOrder(wrapped, 0, 0, False), [(0, 1.0, 0, 2)]))
     with pytest.raises(UserError, match="give one sample count"):
         ShardedStream(["a", "b"], list, [3])
     wrong = ShardedStream([(0, 5)], id_shard, [6])
