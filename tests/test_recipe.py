@@ -39,6 +39,15 @@ def changed_files(fresh: Path, edited: Path) -> set[str]:
                                                               shallow=False))}
 
 
+def two_bakes(root: Path) -> tuple[Path, Path]:
+    """Two bakes of the default project under `root`: one left fresh, one for a recipe to edit."""
+    from conftest import TEMPLATE
+    from cookiecutter.main import cookiecutter
+
+    fresh = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(root / "fresh")))
+    return fresh, Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(root / "edited")))
+
+
 def evaluate(project: Path, run_dir: Path, out: Path, nproc: int) -> dict:
     command = ["./run.sh"] if nproc > 1 else [sys.executable]
     result = run([*command, "evaluate.py", f"eval.checkpoint={run_dir}", f"eval.output_dir={out}",
@@ -50,12 +59,7 @@ def evaluate(project: Path, run_dir: Path, out: Path, nproc: int) -> dict:
 
 @pytest.fixture(scope="module")
 def applied(tmp_path_factory):
-    from cookiecutter.main import cookiecutter
-    from conftest import TEMPLATE
-
-    root = tmp_path_factory.mktemp("recipe")
-    fresh = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(root / "fresh")))
-    project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(root / "edited")))
+    fresh, project = two_bakes(tmp_path_factory.mktemp("recipe"))
     blocks = recipe_blocks(project)
     assert len(blocks) >= 8, blocks
     outputs: list[str] = []

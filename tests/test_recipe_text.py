@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import recipe_blocks, run
 from sklearn.metrics import accuracy_score, average_precision_score
-from test_recipe import apply, changed_files
+from test_recipe import apply, changed_files, two_bakes
 
 pytest.importorskip("transformers")  # the baked project's [transformers] extra
 pytestmark = pytest.mark.slow  # the quick tier (-m 'not slow') skips these
@@ -25,12 +25,7 @@ RECIPE_FILES = {"data_sources.py", "model.py", "configs/pixel_bert.yaml"}
 
 @pytest.fixture(scope="module")
 def applied(tmp_path_factory):
-    from conftest import TEMPLATE
-    from cookiecutter.main import cookiecutter
-
-    root = tmp_path_factory.mktemp("recipe-text")
-    fresh = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(root / "fresh")))
-    project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(root / "edited")))
+    fresh, project = two_bakes(tmp_path_factory.mktemp("recipe-text"))
     blocks = recipe_blocks(project, "text")
     assert [action for action, _ in blocks] == [
         "append data_sources.py", "append model.py", "create configs/pixel_bert.yaml", "run"]

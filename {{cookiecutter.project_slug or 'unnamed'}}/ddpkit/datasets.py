@@ -5,9 +5,10 @@ data_sources.py, which is yours and which the template imports before any datase
 
 A builder takes the `data` section of the config and returns `splits.Splits`: the train, val and
 test splits as map-style datasets (any `torch.utils.data.Dataset`: in memory or read from disk,
-with a transform for the training split only if you like), plus what the task needs to know:
-the task the data is made for, the number of classes, or the targets' scale. Select one with
-`data.dataset=<key>`. The loaders, samplers, sharding and resume in data.py work for any of them.
+with a transform for the training split only if you like) or as streams of shard files
+(`streams.ShardedStream`), plus what the task needs to know: the task the data is made for, the
+number of classes, or the targets' scale. Select one with `data.dataset=<key>`. The loaders,
+samplers, sharding and resume in data.py (and streams.py) work for any of them.
 The built-in ones:
 
     digits         scikit-learn's 1797 8x8 handwritten digits, in memory (multiclass, default)

@@ -1,10 +1,10 @@
 """What a dataset builder returns, and the helpers builders use: the train / val / test split.
 
-`Splits` holds the three splits (any map-style `Dataset`) and what the task needs to know of the
-targets. `split_indices` makes a fixed, stratified split from the `data` config; `array_splits`
-builds all of `Splits` for data that fits in memory (`TensorSamples`: whole batches read with one
-indexing operation). ddpkit/datasets.py uses them for the examples; your builders in
-data_sources.py can too.
+`Splits` holds the three splits (each a map-style `Dataset`, or a `streams.ShardedStream` for data
+written as shard files) and what the task needs to know of the targets. `split_indices` makes a
+fixed, stratified split from the `data` config; `array_splits` builds all of `Splits` for data that
+fits in memory (`TensorSamples`: whole batches read with one indexing operation).
+ddpkit/datasets.py uses them for the examples; your builders in data_sources.py can too.
 """
 
 import math
@@ -37,7 +37,7 @@ class Splits:
     # sampler (set_epoch(epoch) is called when it has one); None: a shuffled DistributedSampler.
     train_sampler: Callable[..., Sampler] | None = None
     drop_last: bool = False  # training: drop an epoch's last, incomplete batch instead of
-    # padding it with repeated samples
+    # padding it with repeated samples (a streamed split: instead of a smaller, weighted step)
 
 
 ONE_INDEX = (int, np.integer)  # a tuple built once: `int | np.integer` would build a union a call
