@@ -17,6 +17,15 @@ CNN on synthetic 3x32x32 images, where compute dominates), each under `torchrun
 process without DDP, the hand-written loop given the template's data path and fused AdamW
 (--matched), timed per training step, which isolates the trainer's own cost per step.
 
+`stream` and `stream-small` pit the template against itself instead: the digits read as a
+stream of shard files (data.dataset=digits_shards, 2 loader workers per rank) against the same
+split in memory, map-style (data.dataset=digits, read in the training process), at 2 processes,
+same model, global batch and steps, without augmentation (digits has none); the ratio is of the
+training samples/s the template logs (streamed / map-style, above 1: faster). A third contender,
+`streamed-in-loop`, reads the shards in the training process (data.num_workers=0). `stream` uses
+a wide MLP, whose step takes far longer than reading a batch; `stream-small` the default MLP.
+bench/stream_wait.py measures how long the loop waits for each streamed batch.
+
 Per run: the median time (the first epoch left out), the time from launch to the end of the first
 optimizer step, the peak resident memory of the largest process, the final training loss. Speed
 is reported as the median of the per-round ratios (contender / hand-written of the same round)
@@ -25,6 +34,7 @@ results.json and results.md into --out, and prints the table.
 """
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -38,6 +48,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
+# The shards read by 2 loader workers per rank, the same shards read in the training process,
+# and the same split in memory, map-style (the base).
+STREAM_CONTENDERS = {"streamed": ["data.dataset=digits_shards", "data.num_workers=2"],
+                     "streamed-in-loop": ["data.dataset=digits_shards", "data.num_workers=0"],
+                     "map": ["data.dataset=digits"]}
 WORKLOADS = {
     "tiny": {"overrides": [], "epochs": 40, "nproc": 2,
              "what": "digits MLP (1797 8x8 images, 64-256-256-10), global batch 64"},
@@ -48,6 +63,18 @@ WORKLOADS = {
     # optimizer (--matched): what is left is the trainer's own cost per step.
     "tiny-1proc": {"overrides": [], "epochs": 40, "nproc": 1, "matched": True,
                    "what": "digits MLP, one process without DDP, training time per step"},
+    # The template against itself: `contenders` names each one's overrides, `base` the one the
+    # others are divided by, `key` the number compared (higher is better for samples/s).
+    "stream": {"overrides": ["data.augment=false", "model.hidden_dim=1024",
+                             "model.num_layers=3"],
+               "epochs": 10, "nproc": 2, "key": "samples_per_second", "base": "map",
+               "contenders": STREAM_CONTENDERS,
+               "what": "digits shards streamed by 2 workers per rank against the digits in "
+                       "memory, MLP 64-1024-1024-1024-10, global batch 64"},
+    "stream-small": {"overrides": ["data.augment=false"],
+                     "epochs": 20, "nproc": 2, "key": "samples_per_second", "base": "map",
+                     "contenders": STREAM_CONTENDERS,
+                     "what": "the same with the default MLP 64-256-256-10"},
 }
 
 
@@ -108,29 +135,35 @@ def json_lines(path: Path) -> list[dict]:
 
 
 def summarise(epoch_seconds: list[float], step_seconds: list[float], first_step: float,
-              launched: float, rss: float, loss: float, status: int) -> dict:
+              launched: float, rss: float, loss: float, status: int, **more: float) -> dict:
     """A run's numbers; the first epoch (start-up, warm-up) is left out of the medians."""
-    return {"seconds_per_epoch": statistics.median(epoch_seconds[1:]),
+    return {**more, "seconds_per_epoch": statistics.median(epoch_seconds[1:]),
             "seconds_per_step": statistics.median(step_seconds[1:]),
             "time_to_first_step": first_step - launched, "peak_rss_mib": rss,
             "final_loss": loss, "epoch_seconds": epoch_seconds, "exit_status": status}
 
 
-def run_template(project: Path, workload: dict, scratch: Path, tag: str) -> dict:
-    run_dir = scratch / f"template-{tag}"
+def run_template(project: Path, workload: dict, scratch: Path, tag: str,
+                 name: str = "template", overrides: tuple = ()) -> dict:
+    run_dir = scratch / f"{name}-{tag}"
     command = torchrun("train.py", f"run.dir={run_dir}", f"train.epochs={workload['epochs']}",
-                       "train.progress_bar=false", *workload["overrides"],
+                       "train.progress_bar=false", *workload["overrides"], *overrides,
                        nproc=workload["nproc"])
-    log = scratch / f"template-{tag}.log"
+    log = scratch / f"{name}-{tag}.log"
     launched, rss, status = run_measured(command, project, log, workload["nproc"])
     epochs = json_lines(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     complete(epochs, workload, status, log)
-    first = json_lines(run_dir / "train_log.jsonl")[0]
+    records = json_lines(run_dir / "train_log.jsonl")
+    first = records[0]
     assert first["step"] == 1, first
     steps = [b["step"] - a["step"] for a, b in zip([{"step": 0}, *epochs], epochs, strict=False)]
+    # The training samples/s of each logging window (all ranks together), the first (start-up)
+    # left out. An epoch shorter than train.log_every steps is one window.
+    rates = [r["samples_per_s"] for r in records if "samples_per_s" in r][1:]
     return summarise([e["epoch_seconds"] for e in epochs],
                      [e["train_seconds"] / n for e, n in zip(epochs, steps, strict=True)],
-                     first["time"], launched, rss, epochs[-1]["train_loss"], status)
+                     first["time"], launched, rss, epochs[-1]["train_loss"], status,
+                     samples_per_second=statistics.median(rates))
 
 
 def run_script(name: str, script: Path, workload_name: str, workload: dict, scratch: Path,
@@ -149,11 +182,12 @@ def run_script(name: str, script: Path, workload_name: str, workload: dict, scra
                      first, launched, rss, epochs[-1]["loss"], status)
 
 
-def pairwise(runs: dict, key: str) -> dict:
-    """Per round, each contender's value over the hand-written loop's of the same round: their
-    median, and the spread (lowest, highest) across rounds. Contenders run back to back within a
-    round, so a slow spell of the shared machine hits both sides of a ratio alike."""
-    base = [r[key] for r in runs["handwritten"]]
+def pairwise(runs: dict, key: str, base_name: str = "handwritten") -> dict:
+    """Per round, each contender's value over the base's (the hand-written loop's) of the same
+    round: their median, and the spread (lowest, highest) across rounds. Contenders run back to
+    back within a round, so a slow spell of the shared machine hits both sides of a ratio
+    alike."""
+    base = [r[key] for r in runs[base_name]]
     ratios = {name: [r[key] / b for r, b in zip(measured, base, strict=True)]
               for name, measured in runs.items()}
     return {name: {"median": statistics.median(values), "low": min(values), "high": max(values),
@@ -169,27 +203,40 @@ def have_lightning() -> bool:
 
 
 def measure_key(workload: dict) -> str:
+    if "key" in workload:
+        return workload["key"]
     return "seconds_per_step" if workload.get("matched") else "seconds_per_epoch"
 
 
+UNITS = {"seconds_per_step": ("{:.4f} ms / step", 1000),
+         "seconds_per_epoch": ("{:.4f} s / epoch", 1),
+         "samples_per_second": ("{:.0f} samples / s", 1)}
+NUMBERS = ("seconds_per_epoch", "seconds_per_step", "samples_per_second", "time_to_first_step",
+           "peak_rss_mib", "final_loss")
+
+
 def table(results: dict, ratios: dict) -> str:
-    lines = [("| workload | contender | time (median) | vs hand-written: median of per-round "
-              "ratios | spread of the ratios | launch to first step (s) | peak RSS per process "
-              "(MiB) | final train loss |"),
+    lines = [("| workload | contender | measure (median) | vs the base (hand-written; stream: "
+              "map-style): median of per-round ratios | spread of the ratios | launch to first "
+              "step (s) | peak RSS per process (MiB) | final train loss |"),
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for workload, by_contender in results.items():
         key = measure_key(WORKLOADS[workload])
-        unit, scale = ("ms / step", 1000) if key == "seconds_per_step" else ("s / epoch", 1)
+        unit, scale = UNITS[key]
         for name, r in by_contender.items():
             ratio = ratios[workload][name]
             lines.append(
-                f"| {workload} | {name} | {r[key] * scale:.4f} {unit} | {ratio['median']:.3f} | "
+                f"| {workload} | {name} | {unit.format(r[key] * scale)} | {ratio['median']:.3f} | "
                 f"{ratio['low']:.3f} to {ratio['high']:.3f} | {r['time_to_first_step']:.2f} | "
                 f"{r['peak_rss_mib']:.0f} | {r['final_loss']:.4f} |")
     return "\n".join(lines)
 
 
 def contenders_for(name: str, workload: dict, project: Path, scratch: Path) -> dict:
+    if "contenders" in workload:  # the template against itself, each with its own overrides
+        return {contender: functools.partial(run_template, project, workload, scratch,
+                                             name=contender, overrides=tuple(overrides))
+                for contender, overrides in workload["contenders"].items()}
     todo = {
         "template": lambda tag: run_template(project, workload, scratch, tag),
         "handwritten": lambda tag: run_script("handwritten", BENCH / "handwritten.py", name,
@@ -259,10 +306,10 @@ def main(argv: list[str]) -> int:
                                     args.pairs)
             results[name] = {
                 contender: {key: statistics.median(r[key] for r in measured)
-                            for key in ("seconds_per_epoch", "seconds_per_step",
-                                        "time_to_first_step", "peak_rss_mib", "final_loss")}
+                            for key in NUMBERS if key in measured[0]}
                 for contender, measured in runs[name].items()}
-            ratios[name] = pairwise(runs[name], measure_key(workload))
+            ratios[name] = pairwise(runs[name], measure_key(workload),
+                                    workload.get("base", "handwritten"))
 
     import torch
 

@@ -90,18 +90,18 @@ def main(argv: list[str]) -> int:
                          "high": max(ratios), "rounds": ratios},
                "over_floor": {"median": statistics.median(excess), "low": min(excess),
                               "high": max(excess), "rounds": excess}}
-    lines = [f"`./run.sh` (2 processes, gloo, the default digits MLP, 30 epochs) and `./run.sh "
+    lines = [(f"`./run.sh` (2 processes, gloo, the default digits MLP, 30 epochs) and `./run.sh "
              f"train.fast_dev_run=true`, whole commands, {args.rounds} measured rounds after a "
              f"warm-up; {machine['cores']} cores, Python {machine['python']}, torch "
-             f"{machine['torch']}, {machine['date']}.", "",
+             f"{machine['torch']}, {machine['date']}."), "",
              "| command | seconds (median) |", "|---|---:|"]
     lines += [f"| {name} | {value:.2f} |" for name, value in medians.items()]
     ratio = summary["ratio"]
-    lines += ["", f"fast dev run / default run: median of per-round ratios "
-              f"**{ratio['median']:.3f}** (spread {ratio['low']:.3f} to {ratio['high']:.3f})"]
+    lines += ["", (f"fast dev run / default run: median of per-round ratios "
+              f"**{ratio['median']:.3f}** (spread {ratio['low']:.3f} to {ratio['high']:.3f})")]
     over = summary["over_floor"]
-    lines += [f"fast dev run - launch floor: median of per-round differences "
-              f"**{over['median']:.2f} s** (spread {over['low']:.2f} to {over['high']:.2f} s)"]
+    lines += [(f"fast dev run - launch floor: median of per-round differences "
+              f"**{over['median']:.2f} s** (spread {over['low']:.2f} to {over['high']:.2f} s)")]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "dev_run.json").write_text(json.dumps(summary, indent=1) + "\n")
     (args.out / "dev_run.md").write_text("\n".join(lines) + "\n")

@@ -63,8 +63,8 @@ def main(argv: list[str]) -> int:
     base = results["handwritten fp32"]
     lines = [(f"{gpu} x {gpus}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
              f"{args.samples} images, global batch {args.batch}, {args.epochs} epochs."), "",
-             "| configuration | epoch seconds (median of epochs 2+) | speed-up vs handwritten "
-             "fp32 |", "|---|---:|---:|"]
+             ("| configuration | epoch seconds (median of epochs 2+) | speed-up vs handwritten "
+             "fp32 |"), "|---|---:|---:|"]
     lines += [f"| {name} | {value:.3f} | {base / value:.2f} |" for name, value in results.items()]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu.md").write_text("\n".join(lines) + "\n")

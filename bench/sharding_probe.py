@@ -22,8 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ddpkit import checkpoint
-from ddpkit import dist_utils
+from ddpkit import checkpoint, dist_utils
 from ddpkit.run_setup import start_run
 from ddpkit.run_state import Run, train_step
 from omegaconf import OmegaConf
