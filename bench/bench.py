@@ -49,9 +49,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 # The shards read by 2 loader workers per rank, the same shards read in the training process,
-# and the same split in memory, map-style (the base).
+# the same split in memory map-style through 2 loader workers per rank, and in memory read in
+# the training process (the base).
 STREAM_CONTENDERS = {"streamed": ["data.dataset=digits_shards", "data.num_workers=2"],
                      "streamed-in-loop": ["data.dataset=digits_shards", "data.num_workers=0"],
+                     "map-workers": ["data.dataset=digits", "data.num_workers=2"],
                      "map": ["data.dataset=digits"]}
 WORKLOADS = {
     "tiny": {"overrides": [], "epochs": 40, "nproc": 2,
