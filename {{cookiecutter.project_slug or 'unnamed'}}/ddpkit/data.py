@@ -231,6 +231,8 @@ class DataModule:
         # Optimizer steps per epoch, or fewer with train.limit_train_batches. A plain number:
         # the loop reads it every epoch.
         self.steps_per_epoch = limited(cfg.train.limit_train_batches, steps)
+        if self.streamed:
+            self.train_stream.plan.limit = self.steps_per_epoch
 
     def _map_training(self) -> int:
         """The training loader of a map-style split; returns the steps of an epoch (a last,
@@ -259,6 +261,7 @@ class DataModule:
                          self.drop_last)
         self.train_stream = RankStream(self.splits.train, plan, self.cfg.run.seed, self.collate)
         self.train_loader = self._loader(self.train_stream, None, None)
+        self._live = None  # the loader's iterator, running on into the next epoch (_stream_steps)
         return plan.steps
 
     def _train_order(self, splits: Splits) -> Sampler:
@@ -334,8 +337,8 @@ class DataModule:
         """This rank's batches for `epoch`, in an order that differs from epoch to epoch,
         leaving out the first `skip_steps` optimizer steps (when resuming mid-epoch)."""
         if self.streamed:
-            self.train_stream.start(epoch, skip_steps)  # read by the workers as they begin
-            yield from self.train_loader
+            for step in self._stream_steps(epoch, skip_steps):
+                yield from step
             return
         self.train_sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
         self.train_sampler.start = skip_steps * self.batch_size_per_rank
@@ -366,18 +369,30 @@ class DataModule:
             yield step
 
     def _stream_steps(self, epoch: int, skip_steps: int):
-        """A stream's steps: its loader gives (step, weight, micro-batch), in step order."""
+        """A stream's steps. Its loader gives (epoch, step, weight, micro-batch) in order and runs
+        on into the next epoch, so the workers read ahead across the epoch's end; the iterator is
+        kept for the next epoch when this one is read to its end, and a new one starts anywhere
+        else (a resume, a run stopped part-way)."""
+        live, self._live = self._live, None
+        if live is None or live[0] != (epoch, skip_steps):
+            self.train_stream.start(epoch, skip_steps)  # read by the workers as they begin
+            live = ((epoch, skip_steps), iter(self.train_loader), None)
+        _, batches, pending = live
         step, current = Step(), skip_steps
-        for index, weight, batch in self.train_batches(epoch, skip_steps):
+        while True:
+            item = pending if pending is not None else next(batches)
+            pending = None
+            item_epoch, index, weight, batch = item
+            if item_epoch != epoch:  # the next epoch's first micro-batch: this one is complete
+                self._live = ((epoch + 1, 0), batches, item)
+                if step:
+                    yield step
+                return
             if index != current:
                 yield step
-                if index >= self.steps_per_epoch:  # train.limit_train_batches
-                    return
                 step, current = Step(), index
             step.weight = weight
             step.append(batch)
-        if step:
-            yield step
 
     def eval_loader(self, split: str, limit: float = 0.0) -> DataLoader:
         """This rank's shard of `split` ("val" or "test"), each sample on exactly one rank.

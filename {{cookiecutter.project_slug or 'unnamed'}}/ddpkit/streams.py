@@ -23,7 +23,8 @@ How an epoch is cut (the *plan*, a pure function of run.seed, the epoch and the 
   remainder out instead.
 - **Workers.** A rank's micro-batches are dealt to its loader workers in turn (0, 1, 0, 1, ...),
   which is the order the DataLoader collects them in, so the batches do not depend on the worker
-  count either.
+  count either. The training iterator runs on from one epoch into the next, so the workers read
+  the next epoch's first batches while the loop ends this one (and validates).
 - **Randomness.** A `transform` (the training augmentation) draws from torch's generator seeded
   per sample by (run.seed, epoch, position): the same at any process or worker count and after a
   resume.
@@ -156,14 +157,13 @@ class EpochOrder:
 class TrainPlan:
     """Rank `rank`'s share of each training step (see the module's docstring)."""
 
-    shuffle = True
-
     def __init__(self, samples: int, global_batch: int, world: int, rank: int,
                  micro_batches: int, drop_last: bool):
         self.samples, self.batch, self.world, self.rank = samples, global_batch, world, rank
         self.micro_batches = micro_batches
         full, remainder = divmod(samples, global_batch)
         self.steps = full + (1 if remainder and not drop_last else 0)
+        self.limit = self.steps  # the steps an epoch reads (fewer: train.limit_train_batches)
 
     def step_range(self, step: int) -> tuple[int, int]:
         start = step * self.batch
@@ -172,7 +172,7 @@ class TrainPlan:
     def chunks(self, start_step: int) -> list[tuple[int, float, int, int]]:
         """(step, weight, first, end) of each of this rank's micro-batches from `start_step`."""
         out = []
-        for step in range(start_step, self.steps):
+        for step in range(start_step, min(self.steps, self.limit)):
             first, end = self.step_range(step)
             size = end - first
             lo = first + self.rank * size // self.world
@@ -193,8 +193,6 @@ class TrainPlan:
 class EvalPlan:
     """Rank `rank`'s contiguous block of an evaluated split, in batches."""
 
-    shuffle = False
-
     def __init__(self, samples: int, batch: int, world: int, rank: int):
         self.samples, self.batch, self.world = samples, batch, world
         self.first = rank * samples // world
@@ -210,10 +208,11 @@ class EvalPlan:
 
 
 class RankStream(IterableDataset):
-    """What one rank's DataLoader iterates: its micro-batches of a plan, each worker its turns,
-    as (step, weight, batch) in training and as batches in evaluation. The epoch and the first
-    step are read from `control`, a tensor in shared memory, when an iteration starts:
-    persistent workers see the values the rank set."""
+    """What one rank's DataLoader iterates: its micro-batches of a plan, each worker its turns.
+    In evaluation, the batches of the split. In training, (epoch, step, weight, batch) from the
+    epoch and step read from `control` (a tensor in shared memory, so that persistent workers
+    see the values the rank set when an iteration starts) on, epoch after epoch without end:
+    the workers read the next epoch's first batches while the loop ends this one."""
 
     def __init__(self, stream: ShardedStream, plan, seed: int, collate: Callable):
         self.stream, self.plan, self.seed, self.collate = stream, plan, seed, collate
@@ -233,11 +232,20 @@ class RankStream(IterableDataset):
         epoch, first_step = self.control.tolist()
         worker = get_worker_info()
         index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
-        chunks = self.plan.chunks(first_step)[index::workers]
-        order = EpochOrder(self.stream, self.seed, epoch, self.plan.shuffle)
-        training = isinstance(self.plan, TrainPlan)
-        for step, weight, samples in read_chunks(self.stream, order, chunks):
-            yield (step, weight, self.collate(samples)) if training else self.collate(samples)
+        if not isinstance(self.plan, TrainPlan):
+            order, mine = EpochOrder(self.stream, self.seed, 0, shuffle=False), self.plan.chunks()
+            for _, _, samples in read_chunks(self.stream, order, mine[index::workers]):
+                yield self.collate(samples)
+            return
+        dealt = 0  # micro-batches of the earlier epochs: the loader deals all of them in turn
+        while True:
+            chunks = self.plan.chunks(first_step)
+            mine = chunks[(index - dealt) % workers::workers]
+            order = EpochOrder(self.stream, self.seed, epoch, shuffle=True)
+            for step, weight, samples in read_chunks(self.stream, order, mine):
+                yield epoch, step, weight, self.collate(samples)
+            dealt += len(chunks)
+            epoch, first_step = epoch + 1, 0
 
 
 def read_chunks(stream: ShardedStream, order: EpochOrder, chunks: list):
