@@ -8,13 +8,21 @@
 # Environment (defaults from the project's generation):
 #   NPROC_PER_NODE  processes on this machine (default {{ cookiecutter.gpus_per_node }})
 #   NNODES          machines in the job (default {{ cookiecutter.num_nodes }}); 1 uses torchrun --standalone
-#                   (NNODES=1 ./run.sh runs a project made for several nodes on this machine)
+#                   (NNODES=1 ./run.sh runs a project made for several nodes on this machine).
+#                   A range MIN:MAX (say 1:4) makes the job elastic: it starts with the nodes
+#                   that have joined (at least MIN), shrinks when one is lost and grows when one
+#                   joins, each time resuming from the last checkpoint at the new world size
+#                   (README: "When a machine is lost")
 #   MASTER_ADDR     several nodes: the head node's address, the same on every node
 #   MASTER_PORT     several nodes: the rendezvous port on the head node (default 29500)
 #   RDZV_ID         several nodes: a job id, the same on every node and new for every job
 #                   (default $SLURM_JOB_ID); a restarted job finds its run folder by it
 #   NODE_RANK       optional: 0 on the head node makes the preflight check the port is free
 #   RDZV_JOIN_TIMEOUT several nodes: seconds to wait for the other nodes (default 600)
+#   RDZV_CONF       several nodes: more of torchrun's --rdzv-conf, e.g.
+#                   last_call_timeout=5,keep_alive_interval=2 (an elastic job waits
+#                   last_call_timeout s, default 30, for more nodes once MIN have joined, and takes
+#                   a node for lost after keep_alive_interval x keep_alive_max_attempt s, 5 x 3)
 #   MAX_RESTARTS    restarts of failed workers (default 3); train.py resumes from the latest
 #                   checkpoint. 0 while debugging.
 #   SHUTDOWN_TIMEOUT seconds the workers get to leave after SIGINT (this script) or SIGQUIT
@@ -67,9 +75,18 @@ if ! [[ "$nproc_per_node" =~ ^[1-9][0-9]*$ ]]; then
   echo "error: NPROC_PER_NODE=$nproc_per_node is not valid: it must be a whole number of processes, at least 1" >&2
   exit 2
 fi
-if ! [[ "$nnodes" =~ ^[1-9][0-9]*$ ]]; then
-  echo "error: NNODES=$nnodes is not valid: it must be a whole number of machines, at least 1" >&2
+if ! [[ "$nnodes" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]]; then
+  echo "error: NNODES=$nnodes is not valid: it must be a whole number of machines, at least 1, or a range MIN:MAX such as 1:4" >&2
   exit 2
+fi
+min_nodes="${nnodes%%:*}"
+max_nodes="${nnodes##*:}"
+if [[ "$min_nodes" -gt "$max_nodes" ]]; then
+  echo "error: NNODES=$nnodes is not valid: the range's minimum $min_nodes is above its maximum $max_nodes" >&2
+  exit 2
+fi
+if [[ "$min_nodes" -eq "$max_nodes" ]]; then
+  nnodes="$min_nodes"  # 2:2 is 2
 fi
 if ! [[ "$max_restarts" =~ ^[0-9]+$ ]]; then
   echo "error: MAX_RESTARTS=$max_restarts is not valid: it must be a whole number, 0 or more" >&2
@@ -94,7 +111,7 @@ if [[ ! -f "$script" ]]; then
   exit 2
 fi
 
-if [[ "$nnodes" -eq 1 ]]; then
+if [[ "$nnodes" == 1 ]]; then
   rendezvous=(--standalone --nnodes=1)
   endpoint=""
 else
@@ -103,9 +120,13 @@ else
     echo "error: NNODES=$nnodes needs MASTER_ADDR (the head node's address) and RDZV_ID (a job id), the same on every node; to run on this machine alone, start it as NNODES=1 ./run.sh" >&2
     exit 2
   fi
+  if [[ -n "${RDZV_CONF:-}" && ! "$RDZV_CONF" =~ ^[a-z_]+=[^,=]+(,[a-z_]+=[^,=]+)*$ ]]; then
+    echo "error: RDZV_CONF=$RDZV_CONF is not valid: give key=value pairs joined by commas, e.g. RDZV_CONF=last_call_timeout=5" >&2
+    exit 2
+  fi
   endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
   rendezvous=(--nnodes="$nnodes" --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$rdzv_id"
-              --rdzv-conf="join_timeout=$join_timeout")
+              --rdzv-conf="join_timeout=$join_timeout${RDZV_CONF:+,$RDZV_CONF}")
 fi
 
 # The packages training needs (pyproject.toml's dependencies but optuna, which only sweep.py
@@ -299,7 +320,9 @@ for signal in TERM HUP USR1 INT; do
   # shellcheck disable=SC2064  # the signal's name, now
   trap "on_signal $signal" "$signal"
 done
-if [[ "$nnodes" -gt 1 ]]; then
+if [[ "$nnodes" == *:* ]]; then
+  echo "elastic job of $min_nodes to $max_nodes nodes: waiting up to $join_timeout s for $min_nodes at $endpoint (RDZV_JOIN_TIMEOUT)" >&2
+elif [[ "$nnodes" -gt 1 ]]; then
   echo "waiting up to $join_timeout s for the other nodes at $endpoint (RDZV_JOIN_TIMEOUT)" >&2
 fi
 (

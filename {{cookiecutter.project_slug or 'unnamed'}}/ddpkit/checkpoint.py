@@ -938,8 +938,9 @@ def restore(source: Path, parts: dict, env: DistEnv) -> Position:
                         f"this run ({error})") from None
     if state.get("world_size") == env.world_size and "rng" in state:
         set_rng_state(state["rng"][env.rank])
-    elif env.is_main:
-        log.warning("resuming %d process(es) from a checkpoint of %d: model, optimizer and "
-                    "data position carry over; random streams (dropout) start afresh",
-                    env.world_size, state.get("world_size"))
+    elif env.is_main:  # a restart at another size, by hand or by an elastic job
+        log.warning("world %s -> %d at step %d: model, optimizer and data position carry over "
+                    "(resharded; the global batch and the epoch's order stay), random streams "
+                    "(dropout) start afresh", state.get("world_size", "?"), env.world_size,
+                    position.step)
     return position

@@ -103,6 +103,10 @@ class TrainConfig:
     epochs: int = 30
     global_batch_size: int = 64  # summed over all processes; each rank takes 1/world_size of it
     grad_accum_steps: int = 1  # micro-batches per optimizer step (each rank: batch / this)
+    # Samples per process in one forward pass; 0: global batch / (processes x grad_accum_steps).
+    # Set, the accumulation steps follow from it at each world size (global / (processes x
+    # this)): an elastic job that shrinks keeps each process's memory and the global batch.
+    micro_batch_size: int = 0
     max_steps: int = 0  # stop after this many optimizer steps; 0: run all epochs
     log_every: int = 50  # steps between logged (and cross-rank reduced) training scalars
     ckpt_every: int = 200  # steps between checkpoints; 0 saves only at the end
@@ -268,7 +272,8 @@ POSITIVE = (
 NON_NEGATIVE = (
     "data.num_workers", "model.num_layers", "optim.weight_decay", "optim.warmup_steps",
     "optim.grad_clip", "optim.step_size", "optim.plateau_patience",
-    "train.ckpt_every", "train.max_steps", "train.keep_checkpoints", "eval.binned_thresholds",
+    "train.ckpt_every", "train.max_steps", "train.micro_batch_size", "train.keep_checkpoints",
+    "eval.binned_thresholds",
     "train.limit_train_batches", "train.limit_val_batches", "train.val_every_steps",
     "train.early_stop_patience", "train.early_stop_min_delta",
 )
@@ -447,13 +452,36 @@ def _check_schedule(optim: DictConfig) -> None:
                         "e.g. optim.milestones=[1000,2000]")
 
 
-def check_batch_divides(cfg: DictConfig, world_size: int) -> None:
-    batch, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
+def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
+    """The micro-batches of an optimizer step at this world size: train.grad_accum_steps, or,
+    with train.micro_batch_size, what the global batch needs at that many samples a pass."""
+    micro = cfg.train.micro_batch_size
+    return cfg.train.global_batch_size // (world_size * micro) if micro else (
+        cfg.train.grad_accum_steps)
+
+
+def check_batch_divides(cfg: DictConfig, world_size: int, where: str = "") -> None:
+    """The global batch splits evenly over the processes (and their accumulation steps).
+    `where` says, after the process count, when that count is one of several (an elastic job)."""
+    batch, micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    if micro and cfg.train.grad_accum_steps != 1:
+        raise UserError(f"train.micro_batch_size={micro} and train.grad_accum_steps="
+                        f"{cfg.train.grad_accum_steps} both set the accumulation: leave "
+                        "train.grad_accum_steps at 1 (it follows from the micro-batch)")
+    if micro and batch % (world_size * micro):
+        parts = world_size * micro
+        raise UserError(
+            f"train.global_batch_size={batch} does not divide into micro-batches of "
+            f"train.micro_batch_size={micro} on the {world_size} processes{where}: use a "
+            f"multiple of {parts}, e.g. train.global_batch_size={batch - batch % parts or parts}")
+    if micro:
+        return
+    accum = cfg.train.grad_accum_steps
     parts = world_size * accum
     if batch % parts:
         lower = batch - batch % parts
-        split = f"the {world_size} processes" + (f" x {accum} accumulation steps" if accum > 1
-                                                   else "")
+        split = f"the {world_size} processes{where}" + (
+            f" x {accum} accumulation steps" if accum > 1 else "")
         raise UserError(
             f"train.global_batch_size={batch} does not divide by {split}: use a multiple of "
             f"{parts}, e.g. train.global_batch_size={lower or parts}"

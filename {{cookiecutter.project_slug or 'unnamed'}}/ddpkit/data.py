@@ -42,7 +42,7 @@ from torch.utils.data import (
     default_collate,
 )
 
-from ddpkit.config import UserError, lookup
+from ddpkit.config import UserError, accumulation_steps, lookup
 from ddpkit.datasets import DATASETS
 from ddpkit.dist_utils import DistEnv, gather_objects
 from ddpkit.splits import Splits
@@ -221,7 +221,7 @@ class DataModule:
         # it splits evenly, so every rank runs the same number of steps per epoch.
         self.batch_size_per_rank = cfg.train.global_batch_size // env.world_size
         # With gradient accumulation each optimizer step takes grad_accum_steps loader batches.
-        self.grad_accum_steps = cfg.train.grad_accum_steps  # a plain int: read every batch
+        self.grad_accum_steps = accumulation_steps(cfg, env.world_size)  # read every batch
         self.micro_batch_size = self.batch_size_per_rank // self.grad_accum_steps
         self.collate = self.splits.collate or default_collate
         self.drop_last = self.splits.drop_last

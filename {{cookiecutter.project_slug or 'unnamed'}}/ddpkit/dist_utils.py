@@ -326,6 +326,15 @@ class Preempted(Exception):
     """Every rank agreed to stop for a preemption signal (after saving, in training)."""
 
 
+def stopped_by_torchrun() -> bool:
+    """Whether a stop signal came from torchrun rather than from the scheduler or the user.
+    Under run.sh, which notes every signal it passes on (beside its status file), a SIGTERM it
+    did not pass on is torchrun's own: an elastic job's agent stops its workers when a node joins
+    or leaves, and starts them again at the new size straight away."""
+    status_file = os.environ.get("RUN_SH_STATUS_FILE")
+    return bool(status_file) and not os.path.exists(f"{status_file}.preempted")
+
+
 class Supervisor:
     """Watches the job from every rank: preemption signals, and collectives that never finish.
 
@@ -584,7 +593,9 @@ def run_main(main: Callable[[list[str]], None]) -> None:
     except UserError as error:
         _exit_on_user_error(str(error))
     except Preempted as stop:
-        if is_main_process():
+        if is_main_process() and stopped_by_torchrun():  # the job re-forms: not an end of it
+            print(f"stopped by torchrun: {stop}", file=sys.stderr, flush=True)
+        elif is_main_process():
             print(f"preempted: {stop}", file=sys.stderr, flush=True)
             _tell_run_sh("preempted")
         leave(0 if os.environ.get("RUN_SH_STATUS_FILE") else PREEMPTED_EXIT)

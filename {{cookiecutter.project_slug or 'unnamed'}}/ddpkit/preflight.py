@@ -1,15 +1,15 @@
 """Checks run.sh makes before torchrun starts a single worker: each problem is one line, exit 2.
 
-    python -m ddpkit.preflight --nproc-per-node N --nnodes M [--script train.py]
+    python -m ddpkit.preflight --nproc-per-node N --nnodes M|MIN:MAX [--script train.py]
                         [--endpoint HOST:PORT --node-rank R] [--config FILE] [key=value ...]
 
 It compiles the files of your own (a syntax error would otherwise stop every rank, and every
 restart, with its own traceback), checks the config (and, for train.py, that the global batch
-splits over N x M processes), that this machine has the GPUs the processes need, that
-ddp.backend=nccl has CUDA to run on, and that the rendezvous port of a multi-node job is free on
-the head node (R = 0), or held by the job's rendezvous when the node rank is not given. torch is
-imported only on a machine with NVIDIA devices or a taken port, so on a CPU machine this takes a
-fraction of a second.
+splits over N x M processes, or over every world size an elastic MIN:MAX job can take), that
+this machine has the GPUs the processes need, that ddp.backend=nccl has CUDA to run on, and that
+the rendezvous port of a multi-node job is free on the head node (R = 0), or held by the job's
+rendezvous when the node rank is not given. torch is imported only on a machine with NVIDIA
+devices or a taken port, so on a CPU machine this takes a fraction of a second.
 """
 
 import datetime
@@ -119,13 +119,18 @@ def preflight(argv: list[str]) -> None:
                "--endpoint": "", "--node-rank": ""}
     while argv and argv[0] in options:
         options[argv[0]], argv = argv[1], argv[2:]
-    nproc, nnodes = int(options["--nproc-per-node"]), int(options["--nnodes"])
+    nproc = int(options["--nproc-per-node"])
+    low, _, high = options["--nnodes"].partition(":")
+    nodes = range(int(low), int(high or low) + 1)  # an elastic job: any count in MIN..MAX
     check_compiles([*OWN_FILES, options["--script"], *named_files(argv)])
-    from ddpkit.config import UserError, load_config
+    from ddpkit.config import UserError, check_batch_divides, load_config
 
     training = Path(options["--script"]).name == "train.py"
     try:
-        cfg = load_config(argv, world_size=nproc * nnodes if training else None)
+        cfg = load_config(argv, world_size=nproc * nodes[-1] if training else None)
+        for count in nodes[:-1] if training else ():
+            check_batch_divides(cfg, nproc * count, f" (NNODES={options['--nnodes']}: the job "
+                                f"can shrink to {count} node(s))")
     except UserError as error:
         raise Refused(str(error)) from None
     check_compiles(named_files([str(cfg.data.dataset), str(cfg.model.name), str(cfg.task.name)]))
@@ -139,7 +144,7 @@ def preflight(argv: list[str]) -> None:
     if cfg.train.device != "cpu" and 0 < gpus < nproc:
         raise Refused(f"{nproc} processes per node need {nproc} GPUs and this machine has "
                       f"{gpus}: set NPROC_PER_NODE={gpus} (or use more nodes)")
-    if nnodes > 1 and options["--endpoint"]:
+    if nodes[-1] > 1 and options["--endpoint"]:
         check_rendezvous_port(options["--endpoint"], options["--node-rank"])
 
 

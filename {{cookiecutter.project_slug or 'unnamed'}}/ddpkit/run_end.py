@@ -64,8 +64,10 @@ def stop_for_preemption(run: Run) -> None:
     run.training_log.close()
     with dist_utils.agree_on_errors():
         finish(run, "preempted")
-    raise dist_utils.Preempted(f"saved step {run.position.step} in {run.run_dir}; run the same "
-                               "command again to continue from there")
+    then = ("torchrun starts the workers again from there (a node joined or left the "
+            "elastic job)" if dist_utils.stopped_by_torchrun()
+            else "run the same command again to continue from there")
+    raise dist_utils.Preempted(f"saved step {run.position.step} in {run.run_dir}; {then}")
 
 
 @contextlib.contextmanager

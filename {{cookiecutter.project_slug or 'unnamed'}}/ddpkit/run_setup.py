@@ -155,8 +155,8 @@ def describe(run: Run) -> None:
              data.steps_per_epoch, run.total_steps)
     log.info("effective global batch %d = %d per micro-batch x %d process(es) x %d "
              "accumulation step(s)", data.micro_batch_size * env.world_size
-             * cfg.train.grad_accum_steps, data.micro_batch_size, env.world_size,
-             cfg.train.grad_accum_steps)
+             * data.grad_accum_steps, data.micro_batch_size, env.world_size,
+             data.grad_accum_steps)
     log.info("%s | %s", optimizers.describe(run.optimizer, not cfg.optim.param_groups),
              describe_schedule(cfg, run.plateau is not None))
     peak, device_name = peak_flops(cfg, run.device, run.speed)

@@ -4,15 +4,20 @@ and of yours, so the tests keep checking the plumbing whatever you add or change
 Runs name them by file: data.dataset=tests/fixtures.py:vectors model.name=tests/fixtures.py:mlp.
 """
 
+import json
+import math
 import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, DistributedSampler
 
+from ddpkit import dist_utils
 from ddpkit.config import UserError
 from ddpkit.splits import Splits, TensorSamples, array_splits, split_indices
 from ddpkit.streams import ShardedStream
@@ -57,6 +62,63 @@ def add_noise(batch: torch.Tensor) -> torch.Tensor:
 def noisy_vectors(cfg) -> Splits:
     """vectors with a random training-split augmentation (data.augment)."""
     return array_splits(cfg, *clusters(cfg.split_seed), "multiclass", train_transform=add_noise)
+
+
+class RecordedOrder(DistributedSampler):
+    """The default training order (a shuffled DistributedSampler), which also tells its dataset
+    where each sample stands in the epoch's order (every rank's alike), so that a batch read
+    knows its global step whatever the world size."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        dataset.order = self
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)  # DistributedSampler's own shuffle
+        order = torch.randperm(len(self.dataset), generator=generator).tolist()
+        self.place = {index: place for place, index in enumerate(order)}
+
+
+class RecordedSamples(TensorSamples):
+    """The training split of `recorded_vectors`: each batch read is written down, one JSON line
+    (process, world size, rank, epoch, global step, sample indices) in ELASTIC_RECORD/<pid>.jsonl,
+    for tests/test_elastic.py. Two known events make its timeline certain: with ELASTIC_KILL_AT
+    (steps counted over the run from 1) a process of a world of 2 kills its node's launch (run.sh
+    and torchrun, SIGKILL) and itself on reading that step; a process of a world of 1 reads
+    ELASTIC_HOLD_AFTER batches, then holds each read until it gets a stop signal (the elastic
+    agent stops the workers when a node joins)."""
+
+    order: RecordedOrder
+
+    def __getitem__(self, index):
+        if isinstance(index, (int, np.integer)):  # a sample looked at, not a batch trained on
+            return self.inputs[index], self.targets[index]
+        batch = int(os.environ["ELASTIC_BATCH"])  # the global batch
+        places = [self.order.place[int(i)] for i in index]
+        step = self.order.epoch * math.ceil(len(self) / batch) + places[0] // batch + 1
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        record = Path(os.environ["ELASTIC_RECORD"]) / f"{os.getpid()}.jsonl"
+        with record.open("a") as out:
+            out.write(json.dumps({"world": world, "rank": rank, "epoch": self.order.epoch,
+                                  "step": step, "places": places}) + "\n")
+        reads = sum(1 for _ in record.open())
+        if world == 2 and step == int(os.environ.get("ELASTIC_KILL_AT", "0")):
+            os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)  # run.sh and torchrun
+            os.kill(os.getpid(), signal.SIGKILL)
+        while world == 1 and reads > int(os.environ["ELASTIC_HOLD_AFTER"]) and \
+                not dist_utils.PREEMPTION_SIGNALS_RECEIVED:
+            time.sleep(0.05)  # waiting for a signal, which the handler notes
+        return super().__getitem__(index)
+
+
+def recorded_vectors(cfg) -> Splits:
+    """vectors whose training reads are written down (RecordedSamples)."""
+    splits = vectors(cfg)
+    splits.train = RecordedSamples(splits.train.inputs, splits.train.targets)
+    splits.train_sampler = RecordedOrder
+    return splits
 
 
 def images(cfg) -> Splits:

@@ -158,6 +158,11 @@ def test_config_file_and_launcher_flags(tmp_path):
         (["epochs"], None, "not a key=value override"),
         (["--bogus"], None, "unknown option --bogus"),
         (["train.global_batch_size=64"], 3, "does not divide by the 3 processes"),
+        (["train.micro_batch_size=16", "train.grad_accum_steps=2"], 2,
+         "train.micro_batch_size=16 and train.grad_accum_steps=2 both set the accumulation"),
+        (["train.micro_batch_size=16"], 3, "train.global_batch_size=64 does not divide into "
+         "micro-batches of train.micro_batch_size=16 on the 3 processes: use a multiple of 48"),
+        (["train.micro_batch_size=-1"], None, "train.micro_batch_size=-1 is not valid"),
         (["optim.lr=nan"], None, "optim.lr=nan is not valid: it must be a finite number"),
         (["optim.grad_clip=inf"], None, "optim.grad_clip=inf is not valid"),
         (["data.split_seed=-1"], None, "a seed must be between 0 and 4294967295"),

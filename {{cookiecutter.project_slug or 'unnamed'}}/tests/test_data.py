@@ -31,6 +31,16 @@ def test_splits_are_fixed_and_batch_is_divided():
     assert sorted(labels.bincount().tolist()) == [88] * 4  # stratified: every class whole
 
 
+def test_a_micro_batch_size_sets_the_accumulation_at_each_world_size():
+    cfg = load_config([*TINY, "train.micro_batch_size=2"])  # global batch 12
+    for world, accumulation in [(1, 6), (2, 3), (3, 2), (6, 1)]:
+        data = DataModule(cfg, DistEnv(0, 0, world, world > 1), torch.device("cpu"))
+        assert (data.micro_batch_size, data.grad_accum_steps) == (2, accumulation)
+        steps = list(data.train_steps(0))
+        assert len(steps) == data.steps_per_epoch == 19
+        assert [len(step) for step in steps] == [accumulation] * 19
+
+
 def test_augmentation_is_for_the_training_split_only_and_can_be_switched_off():
     noisy = [*TINY, f"data.dataset={fixture('noisy_vectors')}"]
     data = DataModule(load_config(noisy), DistEnv(0, 0, 1, False), torch.device("cpu"))

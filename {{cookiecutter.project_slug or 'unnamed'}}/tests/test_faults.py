@@ -231,7 +231,7 @@ def test_resume_with_another_process_count(tmp_path):
     assert first.returncode == 0, first.stdout
     second = run([sys.executable, "train.py", *TINY, f"run.dir={run_dir}"])
     assert second.returncode == 0, second.stdout
-    assert "resuming 1 process(es) from a checkpoint of 2" in second.stdout
+    assert "world 2 -> 1 at step " in second.stdout
     assert "resumed from" in second.stdout
     assert "step 25, epoch 2, 6 step(s) into it" in second.stdout
     steps = [json.loads(line)["step"] for line in
