@@ -463,29 +463,24 @@ def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
 def check_batch_divides(cfg: DictConfig, world_size: int, where: str = "") -> None:
     """The global batch splits evenly over the processes (and their accumulation steps).
     `where` says, after the process count, when that count is one of several (an elastic job)."""
-    batch, micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    if micro and cfg.train.grad_accum_steps != 1:
-        raise UserError(f"train.micro_batch_size={micro} and train.grad_accum_steps="
-                        f"{cfg.train.grad_accum_steps} both set the accumulation: leave "
-                        "train.grad_accum_steps at 1 (it follows from the micro-batch)")
-    if micro and batch % (world_size * micro):
-        parts = world_size * micro
-        raise UserError(
-            f"train.global_batch_size={batch} does not divide into micro-batches of "
-            f"train.micro_batch_size={micro} on the {world_size} processes{where}: use a "
-            f"multiple of {parts}, e.g. train.global_batch_size={batch - batch % parts or parts}")
+    train = cfg.train
+    batch, micro, accum = train.global_batch_size, train.micro_batch_size, train.grad_accum_steps
+    if micro and accum != 1:
+        raise UserError(f"train.micro_batch_size={micro} and train.grad_accum_steps={accum} "
+                        "both set the accumulation: leave train.grad_accum_steps at 1 (it "
+                        "follows from the micro-batch)")
     if micro:
-        return
-    accum = cfg.train.grad_accum_steps
-    parts = world_size * accum
-    if batch % parts:
-        lower = batch - batch % parts
-        split = f"the {world_size} processes{where}" + (
+        parts = world_size * micro
+        split = (f"into micro-batches of train.micro_batch_size={micro} on the {world_size} "
+                 f"processes{where}")
+    else:
+        parts = world_size * accum
+        split = f"by the {world_size} processes{where}" + (
             f" x {accum} accumulation steps" if accum > 1 else "")
-        raise UserError(
-            f"train.global_batch_size={batch} does not divide by {split}: use a multiple of "
-            f"{parts}, e.g. train.global_batch_size={lower or parts}"
-        )
+    if batch % parts:
+        raise UserError(f"train.global_batch_size={batch} does not divide {split}: use a "
+                        f"multiple of {parts}, e.g. train.global_batch_size="
+                        f"{batch - batch % parts or parts}")
 
 
 def load_config(argv: list[str], world_size: int | None = None) -> DictConfig:
