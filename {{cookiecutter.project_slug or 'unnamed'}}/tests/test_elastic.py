@@ -12,10 +12,12 @@ import pytest
 from test_launch import Launch, free_port
 
 from conftest import TINY, fixture, only_run_dir, run
+from ddpkit.config import load_config
+from ddpkit.schedules import factor_of
 
 pytestmark = pytest.mark.slow
 
-BATCH, EPOCHS, STEPS_PER_EPOCH, TRAIN = 12, 3, 19, 228  # TINY's
+BATCH, EPOCHS, STEPS_PER_EPOCH, TRAIN, LR = 12, 3, 19, 228, 0.01  # TINY's
 KILL_AT, CHECKPOINT_BEFORE = 25, 20  # TINY checkpoints every 20 steps
 
 
@@ -55,6 +57,13 @@ def test_an_elastic_job_shrinks_when_a_node_is_lost_and_grows_when_it_comes_back
     run_dir = only_run_dir(tmp_path / "runs")  # one run folder throughout
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "done"
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == EPOCHS
+    # The log and the learning-rate schedule go on at the right step through both changes.
+    logged = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    steps = [record["step"] for record in logged]
+    assert steps == sorted(set(steps)) and steps[-1] == EPOCHS * STEPS_PER_EPOCH
+    assert {CHECKPOINT_BEFORE, grew_at} <= set(steps)  # windows end at the saves
+    schedule = factor_of(load_config(TINY), EPOCHS * STEPS_PER_EPOCH)
+    assert [record["lr"] for record in logged] == [LR * schedule(step) for step in steps]
 
     reads = [json.loads(line) for path in record.iterdir()
              for line in path.read_text().splitlines()]
