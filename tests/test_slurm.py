@@ -165,13 +165,9 @@ def test_a_sweep_runs_as_a_job_array_and_its_summary_ranks_the_trials(cluster, c
     assert again.returncode == 0 and "every trial finished" in again.stdout, again.stdout
 
 
-def test_a_failing_cluster_sh_stops_the_job_in_one_line(cluster, cookies):
-    baked = cookies.bake(extra_context={"scheduler": "slurm"})
-    assert baked.exit_code == 0, baked.exception
-    project = baked.project_path
-    with open(project / "cluster.sh", "a") as handle:
-        handle.write("source /no/such/env/bin/activate\necho 'not reached'\n")
-    env = command_env(**cluster)
+def output_of_a_setup_mistake(project: Path, env: dict) -> str:
+    """Submit slurm.sbatch; the job must fail with status 2 (a mistake in the setup: not
+    requeued). Returns its output."""
     submitted = subprocess.run(["sbatch", "--parsable", "slurm.sbatch"], cwd=project, env=env,
                                text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                timeout=60, check=False)
@@ -179,10 +175,29 @@ def test_a_failing_cluster_sh_stops_the_job_in_one_line(cluster, cookies):
     job = submitted.stdout.strip().split(";")[0]
     wait(lambda: job_state(job, env).get("JobState") == "FAILED", "the job to fail", 120, job,
          env, project)
-    assert job_state(job, env)["ExitCode"] == "2:0"  # a mistake in the setup: not requeued
-    output = (project / f"slurm-{job}.out").read_text()
+    assert job_state(job, env)["ExitCode"] == "2:0"
+    return (project / f"slurm-{job}.out").read_text()
+
+
+def test_a_failing_cluster_sh_stops_the_job_in_one_line(cluster, cookies):
+    baked = cookies.bake(extra_context={"scheduler": "slurm"})
+    assert baked.exit_code == 0, baked.exception
+    project = baked.project_path
+    with open(project / "cluster.sh", "a") as handle:
+        handle.write("source /no/such/env/bin/activate\necho 'not reached'\n")
+    output = output_of_a_setup_mistake(project, command_env(**cluster))
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.fullmatch(
         r"error: cluster.sh failed on \S+ \(status 1\): fix it and submit again",
         errors[0]), output
     assert "not reached" not in output and "requeueing" not in output, output
+
+
+def test_an_elastic_minimum_above_the_nodes_asked_for_is_one_line(cluster, cookies):
+    # MIN_NODES=2 where the job asks for 1 node
+    baked = cookies.bake(extra_context={"scheduler": "slurm"})
+    assert baked.exit_code == 0, baked.exception
+    project = baked.project_path
+    output = output_of_a_setup_mistake(project, command_env(MIN_NODES="2", **cluster))
+    assert output.strip().splitlines() == [
+        "error: MIN_NODES=2 is not valid: give a whole number of nodes from 1 to the job's 1"]
