@@ -127,18 +127,21 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     optimizer.zero_grad(set_to_none=True)
     weight = getattr(micro_batches, "weight", 1.0)  # data.Step: this rank's share of the step
     if len(micro_batches) == 1:  # no accumulation: the common case, with no bookkeeping
-        samples = count_samples(micro_batches[0])
+        # A weight-0 step (a stream's rank with no share of the last step) trains on nothing:
+        # its stand-in sample stays out of the logged means and the throughput.
+        samples = count_samples(micro_batches[0]) if weight else 0
         values = forward_backward(model, micro_batches[0], task, device, speed, scaler,
                                   weight=weight)
     else:
         sizes = [count_samples(batch) for batch in micro_batches]
-        samples = sum(sizes)
+        total = sum(sizes)
+        samples = total if weight else 0
         values = {}
         for index, (batch, size) in enumerate(zip(micro_batches, sizes, strict=True)):
             # Each micro-batch's mean loss weighted by its share of the step's samples: the
             # accumulated gradient is that of the mean over the whole step, as without
             # accumulation. On the last micro-batch DDP averages the gradients over ranks.
-            share = size / samples
+            share = size / total
             with (skip_gradient_sync(model) if index < len(micro_batches) - 1
                   else contextlib.nullcontext()):
                 part = forward_backward(model, batch, task, device, speed, scaler, share,

@@ -10,9 +10,12 @@ from torch.utils.data import IterableDataset
 
 from conftest import TINY, fixture, torchrun
 from ddpkit.config import UserError, load_config
-from ddpkit.data import DataModule
+from ddpkit.data import DataModule, Step
 from ddpkit.dist_utils import DistEnv
+from ddpkit.parallel import build_model
+from ddpkit.run_state import train_step
 from ddpkit.streams import EpochOrder, EvalPlan, ShardedStream, TrainPlan, as_stream, read_chunks
+from ddpkit.tasks import build_task
 from fixtures import ID_SHARDS, id_shard
 
 STREAM = [*TINY, f"data.dataset={fixture('id_stream')}", "train.global_batch_size=12",
@@ -38,6 +41,24 @@ def test_the_plan_counts_every_sample_once_with_the_same_steps_everywhere(sample
         assert sum(weights.values()) == pytest.approx(world)
     dropped = TrainPlan(samples, 12, world, 0, micro_batches, drop_last=True)
     assert dropped.steps == samples // 12
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_step_at_weight_0_trains_and_logs_no_sample(accumulation):
+    """A rank with no share of an epoch's last step runs a stand-in at weight 0 (it joins the
+    all-reduce): no gradient, and no sample in the logged means or the throughput."""
+    cfg = load_config(TINY)
+    data = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
+    task = build_task(cfg, data.splits)
+    model = build_model(cfg.model, task.input_shape(data.datasets["train"][0]), task.num_outputs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = data.datasets["train"][[0, 1]]
+    for weight, expected in [(0.0, 0), (1.0, 2 * accumulation)]:
+        step = Step([batch] * accumulation)
+        step.weight = weight
+        _, samples, _ = train_step(model, optimizer, step, task, torch.device("cpu"))
+        assert samples == expected
+        assert all(p.grad.abs().sum() > 0 for p in model.parameters()) == bool(weight)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
