@@ -28,7 +28,7 @@ fit_default_batch(processes)
 if "{{ cookiecutter.scheduler }}" != "slurm":
     for name in ("slurm.sbatch", "cluster.sh"):
         (project / name).unlink()  # files that do not apply are not generated
-for script in ("run.sh", "slurm.sbatch"):
+for script in ("run.sh", "run_replicas.sh", "slurm.sbatch"):
     path = project / script
     if path.exists():
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)

@@ -93,7 +93,8 @@ def test_slurm_bake_asks_for_the_nodes_and_gpus_and_passes_shellcheck(cookies):
     assert 'nnodes="${NNODES:-4}"' in (project / "run.sh").read_text()
     assert os.stat(project / "slurm.sbatch").st_mode & stat.S_IXUSR
     assert unrendered_files(project) == []
-    checked = shellcheck(project / "run.sh", project / "slurm.sbatch", project / "cluster.sh")
+    checked = shellcheck(project / "run.sh", project / "run_replicas.sh", project / "slurm.sbatch",
+                         project / "cluster.sh")
     assert checked.returncode == 0, checked.stdout
     # A sweep's SLURM job array, as sweep.py writes it (--dry-run: written, not submitted).
     written = run([sys.executable, "sweep.py", "--slurm", "--dry-run", "--name", "lr", "--nproc",

@@ -201,3 +201,28 @@ def test_an_elastic_minimum_above_the_nodes_asked_for_is_one_line(cluster, cooki
     output = output_of_a_setup_mistake(project, command_env(MIN_NODES="2", **cluster))
     assert output.strip().splitlines() == [
         "error: MIN_NODES=2 is not valid: give a whole number of nodes from 1 to the job's 1"]
+
+
+def test_torchft_replica_groups_run_as_a_job(cluster, cookies, tmp_path):
+    # TORCHFT=1: the lighthouse on the first node, a replica group per node (here, one).
+    baked = cookies.bake(extra_context={"scheduler": "slurm"})
+    assert baked.exit_code == 0, baked.exception
+    project = baked.project_path
+    env = command_env(TORCHFT="1", NPROC_PER_NODE="2", LIGHTHOUSE_PORT=str(free_port()),
+                      **cluster)
+    submitted = subprocess.run(["sbatch", "--parsable", "slurm.sbatch", *ARGS, "train.epochs=2",
+                                "eval.batch_size=64", f"run.output_dir={tmp_path / 'runs'}"],
+                               cwd=project, env=env, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, timeout=60, check=False)
+    assert submitted.returncode == 0, submitted.stdout
+    job = submitted.stdout.strip().split(";")[0]
+    wait(lambda: job_state(job, env).get("JobState") == "COMPLETED", "the job to finish", 300,
+         job, env, project)
+    output = (project / f"slurm-{job}.out").read_text()
+    assert "replica group 0 of 1: joined at step 0 with 1 group(s) live" in output, output
+    run_dir = tmp_path / "runs" / f"digits-mlp-{job}"  # named by the job id the groups share
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "done"
+    steps = [json.loads(line) for line in
+             (run_dir / "replica_groups" / "group-0.jsonl").read_text().splitlines()]
+    assert [record["groups"] for record in steps[:-1]] == [1] * 18  # 2 epochs of 9 steps
+    assert "weights_sha256" in steps[-1]

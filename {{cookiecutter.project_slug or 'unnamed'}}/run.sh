@@ -23,6 +23,11 @@
 #                   last_call_timeout=5,keep_alive_interval=2 (an elastic job waits
 #                   last_call_timeout s, default 30, for more nodes once MIN have joined, and takes
 #                   a node for lost after keep_alive_interval x keep_alive_max_attempt s, 5 x 3)
+#   REPLICA_GROUP   this launch is replica group REPLICA_GROUP (0 to REPLICA_GROUPS-1) of a job
+#                   with torchft's per-step fault tolerance, whose lighthouse is at
+#                   TORCHFT_LIGHTHOUSE (http://host:port); run_replicas.sh starts the lighthouse
+#                   and the groups on one machine, slurm.sbatch one group per node
+#                   (README: "When a machine is lost")
 #   MAX_RESTARTS    restarts of failed workers (default 3); train.py resumes from the latest
 #                   checkpoint. 0 while debugging.
 #   SHUTDOWN_TIMEOUT seconds the workers get to leave after SIGINT (this script) or SIGQUIT
@@ -99,6 +104,25 @@ fi
 if ! [[ "$join_timeout" =~ ^[1-9][0-9]*$ ]]; then
   echo "error: RDZV_JOIN_TIMEOUT=$join_timeout is not valid: it must be a whole number of seconds, at least 1" >&2
   exit 2
+fi
+
+batch_nodes="$nnodes"  # what the global batch is split over, besides the processes
+if [[ -n "${REPLICA_GROUP:-}" ]]; then
+  if ! [[ "${REPLICA_GROUPS:-}" =~ ^[1-9][0-9]*$ && "$REPLICA_GROUP" =~ ^[0-9]+$ ]] ||
+     [[ "$REPLICA_GROUP" -ge "$REPLICA_GROUPS" ]]; then
+    echo "error: REPLICA_GROUP=$REPLICA_GROUP and REPLICA_GROUPS=${REPLICA_GROUPS:-} are not valid: REPLICA_GROUPS is the number of replica groups, REPLICA_GROUP this group's, 0 to REPLICA_GROUPS-1" >&2
+    exit 2
+  fi
+  if [[ "$nnodes" != 1 ]]; then
+    echo "error: NNODES=$nnodes with REPLICA_GROUP: a replica group runs on one machine, so set NNODES=1 (start one group per machine)" >&2
+    exit 2
+  fi
+  if [[ -z "${TORCHFT_LIGHTHOUSE:-}" ]]; then
+    echo "error: REPLICA_GROUP is set but TORCHFT_LIGHTHOUSE is not: give the lighthouse's address, http://<host>:<port> (run_replicas.sh starts one)" >&2
+    exit 2
+  fi
+  batch_nodes="$REPLICA_GROUPS"
+  export RUST_LOG="${RUST_LOG:-warn}"  # torchft's Manager logs every quorum at info
 fi
 
 script=train.py
@@ -215,7 +239,7 @@ fi
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 # Check the command line and this machine before any worker starts: one line, in a second.
-in_background "$python" -m ddpkit.preflight --nproc-per-node "$nproc_per_node" --nnodes "$nnodes" \
+in_background "$python" -m ddpkit.preflight --nproc-per-node "$nproc_per_node" --nnodes "$batch_nodes" \
   --script "$script" --endpoint "$endpoint" --node-rank "${NODE_RANK:-}" "$@" || exit 2
 
 # How the job ended, when the workers ended it on purpose: rank 0 writes `error: ...` (a mistake

@@ -65,13 +65,13 @@ def job_id() -> str:
     return os.environ.get("DDP_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
-def lock_run_dir(path: Path) -> None:
+def lock_run_dir(path: Path, name: str = LOCK_FILE) -> None:
     """Rank 0 takes the run folder for this job, or refuses with one line naming the holder.
 
     An flock: the kernel releases it when its process ends, however it ends, so a lock left by
     a killed job is free again; taking it over from another job says so once.
     """
-    handle = open(path / LOCK_FILE, "a+")  # noqa: SIM115 (kept open: the lock lasts with it)
+    handle = open(path / name, "a+")  # noqa: SIM115 (kept open: the lock lasts with it)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:
@@ -150,13 +150,34 @@ def _create_run_dir(cfg: DictConfig) -> RunDir:
     raise UserError(f"cannot create a new run folder next to {base}: too many exist")
 
 
-def open_run_dir(cfg: DictConfig, env: DistEnv) -> RunDir:
+def _replica_run_dir(cfg: DictConfig) -> RunDir:
+    """Replica groups share one run folder, named by the job id they share (run.dir if set), so
+    that groups starting at once find the same one without asking each other."""
+    if cfg.run.dir:
+        path = Path(cfg.run.dir)
+    elif os.environ.get("DDP_JOB_ID"):  # run.sh's: RDZV_ID or the SLURM job id
+        path = Path(cfg.run.output_dir) / f"{cfg.run.name}-{os.environ['DDP_JOB_ID']}"
+    else:
+        raise UserError("replica groups need a job id to share their run folder: set RDZV_ID "
+                        "(run_replicas.sh sets one), or give run.dir")
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    return RunDir(path, created)
+
+
+def open_run_dir(cfg: DictConfig, env: DistEnv, group: int | None = None) -> RunDir:
     """The run folder, created (or found again) and locked by rank 0, the same on every rank
-    (collective)."""
+    (collective). With replica groups, each group's rank 0 opens the shared folder and locks
+    its group's part of it."""
     with dist_utils.agree_on_errors():
-        run = _create_run_dir(cfg) if env.is_main else None
-        if run:
-            lock_run_dir(run.path)
+        if group is not None:
+            run = _replica_run_dir(cfg) if env.rank == 0 else None
+            if run:
+                lock_run_dir(run.path, f"{LOCK_FILE}-group-{group}")
+        else:
+            run = _create_run_dir(cfg) if env.is_main else None
+            if run:
+                lock_run_dir(run.path)
     path, created = dist_utils.broadcast_object((str(run.path), run.created) if run else None)
     return RunDir(Path(path), created)
 

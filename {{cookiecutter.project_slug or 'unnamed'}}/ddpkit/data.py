@@ -206,8 +206,12 @@ class Step(list):
 class DataModule:
     """Datasets and loaders for one rank."""
 
-    def __init__(self, cfg: DictConfig, env: DistEnv, device: torch.device):
+    def __init__(self, cfg: DictConfig, env: DistEnv, device: torch.device,
+                 train_env: DistEnv | None = None):
         self.cfg, self.env, self.device = cfg, env, device
+        # The ranks the training split is sharded over: the job's, or with replica groups
+        # every group's processes (ddpkit/replicas.py); evaluation stays within `env`.
+        self.train_env = train_env or env
         self.splits = build_splits(cfg)
         self.datasets = {"train": self.splits.train, "val": self.splits.val,
                          "test": self.splits.test}
@@ -219,9 +223,9 @@ class DataModule:
 
         # The config's batch size is the global one; config.check_batch_divides has made sure
         # it splits evenly, so every rank runs the same number of steps per epoch.
-        self.batch_size_per_rank = cfg.train.global_batch_size // env.world_size
+        self.batch_size_per_rank = cfg.train.global_batch_size // self.train_env.world_size
         # With gradient accumulation each optimizer step takes grad_accum_steps loader batches.
-        self.grad_accum_steps = accumulation_steps(cfg, env.world_size)  # read every batch
+        self.grad_accum_steps = accumulation_steps(cfg, self.train_env.world_size)
         self.micro_batch_size = self.batch_size_per_rank // self.grad_accum_steps
         self.collate = self.splits.collate or default_collate
         self.drop_last = self.splits.drop_last
@@ -257,7 +261,7 @@ class DataModule:
                             "a map-style training split, and this one is streamed: leave it "
                             "out (the stream's order is set by ShardedStream.shuffle_window)")
         plan = TrainPlan(len(self.splits.train), self.cfg.train.global_batch_size,
-                         self.env.world_size, self.env.rank, self.grad_accum_steps,
+                         self.train_env.world_size, self.train_env.rank, self.grad_accum_steps,
                          self.drop_last)
         self.train_stream = RankStream(self.splits.train, plan, self.cfg.run.seed, self.collate)
         self.train_loader = self._loader(self.train_stream, None, None)
@@ -266,7 +270,7 @@ class DataModule:
 
     def _train_order(self, splits: Splits) -> Sampler:
         """This rank's sampler of the training split: the builder's, or a DistributedSampler."""
-        env, seed = self.env, self.cfg.run.seed
+        env, seed = self.train_env, self.cfg.run.seed
         if splits.train_sampler is not None:
             sampler = splits.train_sampler(splits.train, env.world_size, env.rank, seed)
             sizes = gather_objects(len(sampler))  # [its own] without a process group
@@ -312,7 +316,7 @@ class DataModule:
 
     def _worker_seed(self, epoch: int) -> int:
         """Seeds of the worker processes: distinct for every (run.seed, epoch, rank)."""
-        return (self.cfg.run.seed * 1_000_003 + epoch) * 1_009 + self.env.rank
+        return (self.cfg.run.seed * 1_000_003 + epoch) * 1_009 + self.train_env.rank
 
     @property
     def full_steps_per_epoch(self) -> int:

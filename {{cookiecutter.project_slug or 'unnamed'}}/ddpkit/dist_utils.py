@@ -34,6 +34,10 @@ from ddpkit.config import PROJECT_DIR, UserError
 
 log = logging.getLogger("ddp")
 
+# With replica groups (ddpkit/replicas.py): whether this process's group is the one that writes
+# the run's files now. None: there is one group, the job.
+lead_group: Callable[[], bool] | None = None
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -44,7 +48,8 @@ class DistEnv:
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """The process that writes the run's files: rank 0 (of the leading replica group)."""
+        return self.rank == 0 and (lead_group is None or lead_group())
 
 
 def get_dist_env() -> DistEnv:
@@ -66,7 +71,8 @@ def get_dist_env() -> DistEnv:
 
 
 def is_main_process() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return ((not dist.is_initialized() or dist.get_rank() == 0)
+            and (lead_group is None or lead_group()))
 
 
 def select_device(env: DistEnv, requested: str) -> torch.device:
@@ -160,12 +166,15 @@ def broadcast_object(obj):
 
 
 def setup_logging(env: DistEnv) -> None:
-    """Rank 0 logs at INFO; other ranks stay quiet unless something is wrong."""
+    """Rank 0 logs at INFO; other ranks stay quiet unless something is wrong. With replica
+    groups, rank 0 of each group logs, its lines marked with the group."""
     handler = logging.StreamHandler(sys.stdout)
-    prefix = "" if env.is_main else f"[rank {env.rank}] "
+    group = os.environ.get("REPLICA_GROUP")
+    prefix = (f"[group {group}{f' rank {env.rank}' if env.rank else ''}] " if group is not None
+              else "" if env.rank == 0 else f"[rank {env.rank}] ")
     handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%H:%M:%S"))
     log.handlers[:] = [handler]
-    log.setLevel(logging.INFO if env.is_main else logging.WARNING)
+    log.setLevel(logging.INFO if env.rank == 0 else logging.WARNING)
     log.propagate = False
 
 
@@ -286,7 +295,9 @@ def _is_peer_failure(error: BaseException) -> bool:
     text = str(error)
     return isinstance(error, backend_error) or (isinstance(error, RuntimeError) and any(
         sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
-                                  "Broken pipe", "NCCL communicator was aborted")))
+                                  "Broken pipe", "NCCL communicator was aborted",
+                                  # torchft: the group's rank 0, which hosts its Manager, is gone
+                                  'message: "transport error"', "status: Unavailable")))
 
 
 # --- preemption and stalls ----------------------------------------------------------------------

@@ -49,6 +49,8 @@ def finish(run: Run, status: str) -> None:
 
 def end_run(run: Run) -> None:
     """A finished run's records (collective), and where to find what it wrote."""
+    if run.replicas is not None:  # the final weights' digest in the group's step log
+        run.replicas.finish(run.model)
     with dist_utils.agree_on_errors():  # summary.json, curves.png, the trackers' files
         finish(run, "done")
     log.info(run.training_log.describe_throughput())

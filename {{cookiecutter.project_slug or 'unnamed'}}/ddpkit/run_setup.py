@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ddpkit import checkpoint, dist_utils, flops, optimizers, trackers, validation
+from ddpkit import checkpoint, dist_utils, flops, optimizers, replicas, trackers, validation
 from ddpkit.checkpoint import Position, RunDir
 from ddpkit.config import SCHEDULE_NAMES, load_config
 from ddpkit.data import DataModule
@@ -31,12 +31,15 @@ log = logging.getLogger("ddp")
 def start_run(argv: list[str]) -> Run:
     """Config, process group, run folder, data, task, model, optimizer; resumed if there is a
     checkpoint to resume. Bad input is one line from rank 0, and leaves no run folder behind."""
-    cfg, env, device = start_processes(argv)
-    folder = checkpoint.open_run_dir(cfg, env)
+    cfg, env, device, groups = start_processes(argv)
+    with dist_utils.agree_on_errors():
+        ft = replicas.ReplicaGroups(*groups, env, device, cfg) if groups else None
+    folder = checkpoint.open_run_dir(cfg, env, groups[0] if groups else None)
+    train_env = replicas.data_env(env, groups)
     try:
         with dist_utils.agree_on_errors():  # bad input stops every rank together, reported once
             torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP syncs too)
-            data = DataModule(cfg, env, device)
+            data = DataModule(cfg, env, device, train_env)
             task = build_task(cfg, data.splits)
             input_shape = task.input_shape(data.first_samples()[0])
             model = build_model(cfg.model, input_shape, task.num_outputs,
@@ -50,13 +53,20 @@ def start_run(argv: list[str]) -> Run:
         raise
     # Per-rank seed from here on: dropout masks differ between ranks, as they would between
     # the samples of one big batch on one process.
-    torch.manual_seed(cfg.run.seed + env.rank)
+    torch.manual_seed(cfg.run.seed + train_env.rank)
     run = assemble(cfg, env, device, data, task, speed, model, input_shape, folder.path,
                    resumed=resume_from is not None)
     if resume_from:
         restore(run, folder, resume_from, saved_config)
     elif not folder.created:  # restarted before its first checkpoint: it logs from step 1 again
         run.training_log.resume(run.position, truncate=True)
+    if ft:  # the live replica groups: this one's gradients averaged with theirs, healed by them
+        run.replicas = ft
+        healed = ft.join(run)
+        if ft.leads() and not healed and (resume_from or not folder.created):
+            run.training_log.resume(run.position, truncate=run.position.step < run.total_steps)
+        elif healed:
+            run.training_log.resume(run.position, truncate=False)
     with dist_utils.agree_on_errors():  # a full disk is one line, not a traceback on rank 0
         if env.is_main:
             checkpoint.write_text(folder.path / "config.yaml", OmegaConf.to_yaml(cfg))
@@ -66,11 +76,13 @@ def start_run(argv: list[str]) -> Run:
     return run
 
 
-def start_processes(argv: list[str]) -> tuple[DictConfig, dist_utils.DistEnv, torch.device]:
-    """The config (cut down to a smoke test for train.fast_dev_run), logging, the device and
-    the process group."""
+def start_processes(argv: list[str]
+                    ) -> tuple[DictConfig, dist_utils.DistEnv, torch.device, tuple | None]:
+    """The config (cut down to a smoke test for train.fast_dev_run), logging, the device, the
+    process group, and (this group, groups) when the job is one of torchft's replica groups."""
     env = dist_utils.get_dist_env()
-    cfg = load_config(argv, world_size=env.world_size)
+    groups = replicas.from_environment()
+    cfg = load_config(argv, world_size=replicas.data_env(env, groups).world_size)
     dist_utils.setup_logging(env)
     if cfg.train.fast_dev_run:
         dist_utils.no_retries()
@@ -79,7 +91,7 @@ def start_processes(argv: list[str]) -> tuple[DictConfig, dist_utils.DistEnv, to
         dist_utils.debug_mode()
     device = dist_utils.select_device(env, cfg.train.device)
     dist_utils.init_distributed(env, device, cfg.ddp.backend, cfg.ddp.timeout_minutes)
-    return cfg, env, device
+    return cfg, env, device, groups
 
 
 def check_optim(cfg: DictConfig) -> None:
@@ -153,11 +165,14 @@ def describe(run: Run) -> None:
              "%d steps", env.world_size, run.device, dist_utils.backend_name(),
              describe_speed(run.speed), cfg.task.name or data.splits.task, run.task.num_outputs,
              data.steps_per_epoch, run.total_steps)
-    log.info("effective global batch %d = %d per micro-batch x %d process(es) x %d "
-             "accumulation step(s)", data.micro_batch_size * env.world_size
-             * data.grad_accum_steps, data.micro_batch_size, env.world_size,
+    ranks = data.train_env.world_size  # with replica groups, every group's processes
+    log.info("effective global batch %d = %d per micro-batch x %d process(es)%s x %d "
+             "accumulation step(s)", data.micro_batch_size * ranks * data.grad_accum_steps,
+             data.micro_batch_size, ranks,
+             f" in {run.replicas.groups} replica groups" if run.replicas else "",
              data.grad_accum_steps)
-    log.info("%s | %s", optimizers.describe(run.optimizer, not cfg.optim.param_groups),
+    optimizer = getattr(run.optimizer, "optimizer", run.optimizer)  # a replica group's voted one
+    log.info("%s | %s", optimizers.describe(optimizer, not cfg.optim.param_groups),
              describe_schedule(cfg, run.plateau is not None))
     peak, device_name = peak_flops(cfg, run.device, run.speed)
     log.info(flops.describe(run.training_log.flops_per_sample, peak, device_name, run.device))

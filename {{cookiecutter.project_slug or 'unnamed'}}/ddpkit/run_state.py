@@ -56,13 +56,15 @@ class Run:
     evaluated: torch.nn.Module | None = None  # parallel.for_evaluation's, when compiling
     validation: object = None  # validation.Validation: the cadence, the best, early stopping
     exported: dict | None = None  # which weights model.pt holds: {"from": last | best, "step"}
+    replicas: object = None  # replicas.ReplicaGroups: this job is one of torchft's replica groups
 
     def parts(self) -> dict:
         """Everything a checkpoint saves and a resume restores, by name."""
         # Model and optimizer keyed by parameter name, each rank its part (checkpoint.py), so a
         # checkpoint resumes at any process count and with either strategy.
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # a VotedOptimizer's
         return {"model": ModelState(self.model), "optimizer": ModelState(self.model,
-                self.optimizer), "scheduler": self.scheduler, "scaler": self.scaler,
+                optimizer), "scheduler": self.scheduler, "scaler": self.scaler,
                 "train_log": self.training_log, "plateau": self.plateau,
                 "validation": self.validation}
 
@@ -87,7 +89,11 @@ class Run:
             self.plateau.step(record[f"val_{self.task.headline}"])
 
     def save(self) -> None:
-        """A checkpoint of where training is (collective)."""
+        """A checkpoint of where training is (collective); with replica groups, the leading
+        group's alone (the others hold the same state)."""
+        if self.replicas is not None and not self.replicas.leads():
+            self.checkpointer.last_saved = self.position.step
+            return
         self.checkpointer.save(self.parts(), self.position, self.cfg)
 
     def save_mid_training(self) -> None:
@@ -123,8 +129,19 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     With several micro-batches (gradient accumulation) the gradients are all-reduced once, on
     the last one: the others run forward *and* backward inside no_sync(), since DDP decides in
     forward whether the coming backward will communicate.
+
+    With replica groups (ddpkit/replicas.py) the optimizer votes: when a group was lost during
+    the step, no update was applied, and the same micro-batches run again with the live groups.
     """
-    optimizer.zero_grad(set_to_none=True)
+    while True:
+        values, samples, grad_norm = _try_step(model, optimizer, micro_batches, task, device,
+                                               speed, scaler, grad_clip)
+        if getattr(optimizer, "committed", True):
+            return values, samples, grad_norm
+
+
+def _try_step(model, optimizer, micro_batches, task, device, speed, scaler, grad_clip):
+    optimizer.zero_grad(set_to_none=True)  # replica groups: the step's quorum first
     weight = getattr(micro_batches, "weight", 1.0)  # data.Step: this rank's share of the step
     if len(micro_batches) == 1:  # no accumulation: the common case, with no bookkeeping
         # A weight-0 step (a stream's rank with no share of the last step) trains on nothing:
@@ -148,6 +165,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
                                         weight)
             for name, value in part.items():
                 values[name] = values[name] + value if name in values else value
+    if hasattr(optimizer, "average_gradients"):  # replica groups: over the live groups too
+        optimizer.average_gradients()
     grad_norm = None
     if grad_clip:
         if scaler:

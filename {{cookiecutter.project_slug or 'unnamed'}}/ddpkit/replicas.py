@@ -1,0 +1,268 @@
+"""Per-step fault tolerance with torchft: the job as replica groups that lose and regain members
+without a restart (README: "When a machine is lost").
+
+Each replica group is one torchrun (./run.sh with REPLICA_GROUP set; ./run_replicas.sh starts
+them all, and the torchft lighthouse that keeps their membership). Inside a group, training is
+what it is without torchft: DDP or FSDP over the group's processes. Across groups, a torchft
+Manager forms a quorum of the live groups before every step and averages the gradients over
+them; a group that dies leaves the others going on at the next step, and a group that starts (or
+restarts) copies the live groups' state before its first step ("heals").
+
+What this module adds to a run:
+- the data is sharded over every process of every group (group g's rank r is data rank
+  g x processes + r), so each group trains on its own share of each global batch; a missing
+  group's share of a step is skipped;
+- the optimizer steps only when every live group's gradients arrived (`VotedOptimizer`);
+  otherwise train_step runs the same batch again with the groups still alive;
+- the run's files (checkpoints, the training log, TensorBoard, the summary) are written by one
+  live group: the first in the quorum (dist_utils.DistEnv.is_main asks `leads`);
+- replica_groups/group-<g>.jsonl, written by each group's rank 0: one line per step with how
+  many groups took part, the step's wall time and how many tries it took; the last line holds a
+  digest of the final weights, equal in every group.
+"""
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ddpkit import dist_utils
+from ddpkit.checkpoint import rng_state, set_rng_state
+from ddpkit.config import UserError
+from ddpkit.dist_utils import DistEnv
+
+log = logging.getLogger("ddp")
+
+GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR = "REPLICA_GROUP", "REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
+MAX_TRIES = 20  # consecutive failed steps before the group gives up (a peer that keeps failing)
+
+
+def from_environment() -> tuple[int, int] | None:
+    """(this group, groups) when launched as a replica group, else None."""
+    if GROUP_VAR not in os.environ:
+        return None
+    group, groups = os.environ[GROUP_VAR], os.environ.get(GROUPS_VAR, "")
+    if not (group.isdigit() and groups.isdigit() and int(group) < int(groups)):
+        raise UserError(f"{GROUP_VAR}={group} and {GROUPS_VAR}={groups} are not valid: "
+                        f"{GROUPS_VAR} is the number of replica groups and {GROUP_VAR} this "
+                        f"group's number, 0 to {GROUPS_VAR}-1 (run_replicas.sh sets both)")
+    if not os.environ.get(LIGHTHOUSE_VAR):
+        raise UserError(f"{GROUP_VAR} is set but {LIGHTHOUSE_VAR} is not: give the lighthouse's "
+                        "address, http://<host>:<port> (run_replicas.sh starts one and sets it)")
+    return int(group), int(groups)
+
+
+def data_env(env: DistEnv, groups: tuple[int, int] | None) -> DistEnv:
+    """The ranks the training data is sharded over: every process of every replica group."""
+    if groups is None:
+        return env
+    group, count = groups
+    return DistEnv(rank=group * env.world_size + env.rank, local_rank=env.local_rank,
+                   world_size=count * env.world_size, launched=True)
+
+
+class VotedOptimizer:
+    """The optimizer of a replica group: zero_grad() joins the step's quorum (the live groups,
+    healing this one first if it is behind); average_gradients() averages the group's gradients
+    (DDP's or FSDP's, already averaged within the group) over the live groups; step() applies
+    the update only when that worked in every live group (`committed`), as torchft's
+    OptimizerWrapper does, but saying whether it did. Everything else is the wrapped optimizer's.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, replicas: "ReplicaGroups"):
+        self.optimizer, self.replicas, self.committed = optimizer, replicas, True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.replicas.start_step()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def average_gradients(self) -> None:
+        """One all-reduce of every gradient, flattened in the parameters' order, which every
+        group shares (a DDP bucket's layout is not: a restarted group lays its buckets out
+        anew). Each rank's part with FSDP: the groups shard alike."""
+        grads = [param.grad for group in self.optimizer.param_groups
+                 for param in group["params"] if param.grad is not None]
+        local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+        flat = torch.cat([grad.reshape(-1) for grad in local])
+        self.replicas.manager.allreduce(flat).wait()  # a lost group: the step is not committed
+        offset = 0
+        for grad in local:
+            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def step(self, closure=None) -> None:
+        self.committed = self.replicas.commit()
+        if self.committed:
+            self.optimizer.step(closure)
+
+    def __getattr__(self, name: str):
+        return getattr(self.optimizer, name)
+
+
+class ReplicaGroups:
+    """This process's part in the replica groups: the torchft Manager (made at `join`, so the
+    live groups do not wait on this one while it builds its model), what heals it, the step log."""
+
+    def __init__(self, group: int, groups: int, env: DistEnv, device: torch.device, cfg):
+        try:
+            import torchft  # noqa: F401  (an optional extra)
+        except ImportError:
+            raise UserError("REPLICA_GROUP needs torchft, an optional extra: pip install -e "
+                            "'.[torchft]' (README: \"When a machine is lost\")") from None
+        if not env.launched:
+            raise UserError("replica groups need torchrun: launch through run_replicas.sh or "
+                            "run.sh, not python train.py")
+        if cfg.train.checkpoint_async:
+            raise UserError("train.checkpoint_async=true does not go with replica groups (the "
+                            "group that writes a checkpoint may change before the write ends): "
+                            "set train.checkpoint_async=false")
+        self.group, self.groups, self.env, self.device = group, groups, env, device
+        # torchft's own log says every quorum and each time that a flight recorder it does not
+        # have (no NCCL here) could not be reset; this module says what a user needs to know.
+        logging.getLogger("torchft").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        # A peer group that hangs (rather than dies) holds the others this long at most.
+        self.timeout = datetime.timedelta(minutes=cfg.ddp.timeout_minutes)
+        self.manager = None
+        self.run = None
+        self.tries, self.step_start, self.healed_at = 0, 0.0, None
+        self.leading = False  # as the last quorum said (read without waiting: see leads)
+        self.quorum_ready = False  # join's quorum is the first step's
+        self.log_file = None
+        dist_utils.lead_group = self.leads
+
+    def leads(self) -> bool:
+        """Whether this group writes the run's files: the first live group of the last quorum
+        (none before this group has joined one). Kept from start_step: asking the Manager
+        would wait for the quorum, which may be what is asking (a peer's heal)."""
+        return self.leading
+
+    def join(self, run) -> bool:
+        """Join the live groups with the run as start_run built it (a new run or a resumed
+        checkpoint): its gradients averaged over the groups from now on, and its state copied
+        from a live group that is further on. True when it was."""
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.run = run
+        pg = (ProcessGroupNCCL(timeout=self.timeout) if self.device.type == "cuda"
+              else ProcessGroupGloo(timeout=self.timeout))
+        self.manager = Manager(pg=pg, load_state_dict=None, state_dict=None,
+                               min_replica_size=1, use_async_quorum=False,
+                               replica_id=str(self.group), timeout=self.timeout,
+                               quorum_timeout=self.timeout, max_retries=MAX_TRIES)
+        self.manager.register_state_dict_fn("run", self._load_state, self._state)
+        self.manager.load_state_dict({"step": run.position.step, "batches_committed": 0})
+        run.optimizer = VotedOptimizer(run.optimizer, self)
+        run.buckets_settled = True  # no extra backward: each one is a step of every group
+        if self.env.rank == 0:
+            folder = run.run_dir / "replica_groups"
+            folder.mkdir(exist_ok=True)
+            self.log_file = open(folder / f"group-{self.group}.jsonl", "a")  # noqa: SIM115
+        start = run.position.step
+        self.start_step()
+        if not run.resumed and start == 0:
+            self._wait_for_every_group()
+        self.quorum_ready = True
+        healed = self.healed_at is not None
+        log.info("replica group %d of %d: %s at step %d with %d group(s) live", self.group,
+                 self.groups, "healed from a live group" if healed else "joined",
+                 run.position.step if healed else start, self.manager.num_participants())
+        return healed
+
+    def _wait_for_every_group(self) -> None:
+        """A new job starts with every group (up to the timeout): the lighthouse forms a quorum
+        of the groups that have joined it, and the others would heal into a run under way."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while self.manager.num_participants() < self.groups and time.monotonic() < deadline:
+            time.sleep(0.1)  # the others are still starting (seconds): ask again
+            self.manager.start_quorum()
+        self.leading = self.manager.participating_rank() == 0
+
+    def start_step(self) -> None:
+        """The step's quorum; heals this group first when a live one is further on."""
+        if self.tries == 0:
+            self.step_start = time.perf_counter()
+        if self.quorum_ready:  # the quorum join formed: every live group counts it as this step's
+            self.quorum_ready = False
+            return
+        self.manager.start_quorum()
+        self.leading = self.manager.participating_rank() == 0
+
+    def commit(self) -> bool:
+        """Whether every live group's gradients were averaged in this step (all of this group's
+        ranks agree); then the step is written to the group's step log."""
+        committed = self.manager.should_commit()
+        self.tries += 1
+        if committed:
+            self._record({"step": self.run.position.step + 1,
+                          "groups": self.manager.num_participants(),
+                          "seconds": round(time.perf_counter() - self.step_start, 6),
+                          "tries": self.tries, "time": time.time()})
+            self.tries = 0
+        else:
+            log.warning("replica group %d: step %d was not applied (a group was lost during "
+                        "it): trying it again with the groups still live", self.group,
+                        self.run.position.step + 1)
+        return committed
+
+    def participants(self) -> int:
+        return self.manager.num_participants() if self.manager is not None else 0
+
+    def finish(self, model: torch.nn.Module) -> None:
+        """The step log's last line: a digest of the final weights (equal in every group)."""
+        self._record({"end": True, "step": self.run.position.step,
+                      "weights_sha256": weights_digest(model)})
+        if self.log_file is not None:
+            self.log_file.close()
+        self.manager.shutdown(wait=False)
+
+    def _record(self, record: dict) -> None:
+        if self.log_file is not None:
+            self.log_file.write(json.dumps(record) + "\n")
+            self.log_file.flush()
+
+    # -- healing: what a live group sends a joining one ----------------------------------------
+
+    def _state(self) -> dict:
+        run = self.run
+        parts = {name: part.state_dict() for name, part in run.parts().items()
+                 if part is not None}
+        position = run.position
+        return {"parts": parts, "rng": rng_state(),
+                "position": [position.step, position.epoch, position.step_in_epoch]}
+
+    def _load_state(self, state: dict) -> None:
+        run = self.run
+        for name, part in run.parts().items():
+            if part is not None and name in state["parts"]:
+                part.load_state_dict(state["parts"][name])
+        set_rng_state(state["rng"])
+        run.position.step, run.position.epoch, run.position.step_in_epoch = state["position"]
+        run.checkpointer.last_saved = run.position.step
+        self.healed_at = run.position.step
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's parameters and buffers, in order: equal digests, equal weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        if isinstance(tensor, torch.Tensor):
+            tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            digest.update(name.encode())
+            data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            digest.update(data.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def step_log(run_dir: Path, group: int) -> list[dict]:
+    """A group's step log, as written (for tests and report tools)."""
+    path = Path(run_dir) / "replica_groups" / f"group-{group}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

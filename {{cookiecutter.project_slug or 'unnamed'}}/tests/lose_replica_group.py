@@ -1,0 +1,39 @@
+"""train.py as one replica group of a test (tests/test_replicas.py), with a known failure.
+
+Group LOSE_GROUP's rank 0 kills itself (SIGKILL) at optimizer step LOSE_AT, once (LOSE_MARKER
+notes it); its torchrun starts the group again, and the group heals from the live one. While a
+group is missing, each step of the others waits SLOW_STEP_S before it starts, so that the run
+is still going when the lost group comes back (a restart takes seconds; the full run, under one).
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import train  # noqa: E402
+from ddpkit import dist_utils  # noqa: E402
+
+real_step = train.train_step
+
+
+def train_step_of_a_group(model, optimizer, *args, **kwargs):
+    replicas = optimizer.replicas
+    marker = Path(os.environ["LOSE_MARKER"])
+    step = replicas.run.position.step + 1
+    if (replicas.group == int(os.environ["LOSE_GROUP"]) and step == int(os.environ["LOSE_AT"])
+            and os.environ["RANK"] == "0" and not marker.exists()):
+        marker.write_text(str(step))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if marker.exists() and replicas.participants() < replicas.groups:
+        time.sleep(float(os.environ["SLOW_STEP_S"]))
+    return real_step(model, optimizer, *args, **kwargs)
+
+
+train.train_step = train_step_of_a_group
+
+if __name__ == "__main__":
+    dist_utils.run_main(train.main)

@@ -1,0 +1,80 @@
+"""Per-step fault tolerance with torchft (run_replicas.sh): two replica groups of two processes
+on this machine. One process of group 1 is killed outright mid-run: group 0 goes on at the next
+step without it; group 1's torchrun starts it again, it heals from group 0 and both finish with
+the same weights, which evaluate to the same numbers at 1, 2 and 3 processes."""
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+from test_distributed import evaluate_at
+from test_launch import free_port, processes_in_group
+
+from conftest import PROJECT, TINY, command_env, only_run_dir, run
+from ddpkit.replicas import step_log
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("torchft")
+
+GROUPS, LOSE_AT = 2, 30
+EPOCHS, STEPS_PER_EPOCH = 8, 19  # TINY's steps at 12 samples a step
+
+
+def test_the_live_groups_go_on_without_a_lost_one_and_heal_it_when_it_comes_back(tmp_path):
+    args = ["tests/lose_replica_group.py", *TINY, f"train.epochs={EPOCHS}",
+            f"run.output_dir={tmp_path / 'runs'}"]
+    launch = subprocess.Popen(
+        ["./run_replicas.sh", *args], cwd=PROJECT, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=command_env(REPLICA_GROUPS=str(GROUPS), NPROC_PER_NODE="2", TMPDIR=str(tmp_path),
+                        LIGHTHOUSE_PORT=str(free_port()), RDZV_ID=f"replicas-{tmp_path.name}",
+                        LOSE_GROUP="1", LOSE_AT=str(LOSE_AT), SLOW_STEP_S="0.25",
+                        LOSE_MARKER=str(tmp_path / "lost")))
+    try:
+        output, _ = launch.communicate(timeout=300)
+    finally:
+        left = processes_in_group(launch.pid)
+        if left:
+            os.killpg(launch.pid, signal.SIGKILL)
+    assert launch.returncode == 0 and not left, output
+    assert (tmp_path / "lost").read_text() == str(LOSE_AT)  # the failure happened
+
+    run_dir = only_run_dir(tmp_path / "runs")  # one run folder for both groups
+    total = EPOCHS * STEPS_PER_EPOCH
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "done"
+    survivor, healed = step_log(run_dir, 0), step_log(run_dir, 1)
+    steps = [record for record in survivor if "end" not in record]
+    # Group 0 ran every step once, in order, each applied; some with group 1 missing.
+    assert [record["step"] for record in steps] == list(range(1, total + 1))
+    alone = [record["step"] for record in steps if record["groups"] == 1]
+    assert alone and alone[0] in (LOSE_AT, LOSE_AT + 1), alone  # at once, or the step after
+    assert alone == list(range(alone[0], alone[-1] + 1))  # then it came back for good
+    assert alone[-1] < total
+    # Group 1's second start healed at the step the live group had reached, and went on from there.
+    rejoined = [record["step"] for record in healed if "end" not in record][LOSE_AT - 1:]
+    assert rejoined == list(range(alone[-1] + 1, total + 1)), rejoined
+    assert f"healed from a live group at step {alone[-1]}" in output
+    digests = {log[-1]["weights_sha256"] for log in (survivor, healed)}
+    assert len(digests) == 1  # the same weights, bit for bit, in both groups
+
+    # The survivor's pauses, for the record (README: "When a machine is lost"): the step in
+    # which the group was lost, the steps without it, the step at which it came back.
+    around = {record["step"]: record["seconds"] for record in steps
+              if alone[0] - 1 <= record["step"] <= alone[-1] + 2}
+    print("survivor's step seconds around the loss and the rejoin:", around)
+    longest = max(record["seconds"] for record in steps)
+    print(f"longest survivor step: {longest:.3f} s")
+
+    evaluate_at(tmp_path, run_dir)  # exact at 1, 2 and 3 processes, as every run's model
+
+
+def test_a_replica_group_without_a_lighthouse_is_one_line(tmp_path):
+    result = run(["./run.sh", *TINY, f"run.output_dir={tmp_path / 'runs'}"],
+                 REPLICA_GROUP="0", REPLICA_GROUPS="2", NPROC_PER_NODE="1")
+    assert result.returncode == 2
+    assert result.stdout.strip() == ("error: REPLICA_GROUP is set but TORCHFT_LIGHTHOUSE is not: "
+                                     "give the lighthouse's address, http://<host>:<port> "
+                                     "(run_replicas.sh starts one)")
+    assert not (tmp_path / "runs").exists()
