@@ -62,7 +62,7 @@ for signal in TERM HUP USR1 INT; do
   # shellcheck disable=SC2064  # the signal's name, now
   trap "pass_on $signal" "$signal"
 done
-trap 'kill "$lighthouse" 2>/dev/null || true' EXIT
+trap 'kill "$lighthouse" 2>/dev/null; wait "$lighthouse" 2>/dev/null || true' EXIT  # gone before this script is
 
 export TORCHFT_LIGHTHOUSE="http://localhost:$port" REPLICA_GROUPS="$groups"
 export RDZV_ID="${RDZV_ID:-replicas-$(date +%Y%m%d-%H%M%S)}"

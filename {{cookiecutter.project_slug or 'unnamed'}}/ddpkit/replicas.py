@@ -15,7 +15,8 @@ What this module adds to a run:
 - the optimizer steps only when every live group's gradients arrived (`VotedOptimizer`);
   otherwise train_step runs the same batch again with the groups still alive;
 - the run's files (checkpoints, the training log, TensorBoard, the summary) are written by one
-  live group: the first in the quorum (dist_utils.DistEnv.is_main asks `leads`);
+  live group: the first in the quorum (dist_utils.DistEnv.is_main asks `leads`); each window of
+  train_log.jsonl says the fewest and the most groups that took part in one of its steps;
 - replica_groups/group-<g>.jsonl, written by each group's rank 0: one line per step with how
   many groups took part, the step's wall time and how many tries it took; the last line holds a
   digest of the final weights, equal in every group.
@@ -202,6 +203,7 @@ class ReplicaGroups:
         committed = self.manager.should_commit()
         self.tries += 1
         if committed:
+            self.run.training_log.replica_groups.append(self.manager.num_participants())
             self._record({"step": self.run.position.step + 1,
                           "groups": self.manager.num_participants(),
                           "seconds": round(time.perf_counter() - self.step_start, 6),

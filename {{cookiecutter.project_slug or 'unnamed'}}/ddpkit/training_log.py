@@ -162,6 +162,7 @@ class TrainingLog:
         self.steps: list = []  # this window's (values, samples) of every step (see add_step)
         self.on_cpu = device.type == "cpu"
         self.grad_norm = None  # the last step's, before clipping
+        self.replica_groups: list[int] = []  # with replica groups: how many took part, per step
         self.window_start = self.epoch_start = self.validation_start = self.now()
         self.warming_up = True  # the first window of a process: its time includes start-up
         self.compiled = compilations()  # a window in which this grows compiled: not timed
@@ -251,6 +252,10 @@ class TrainingLog:
                                      and compiled == self.compiled)
             if self.grad_norm is not None:
                 record["grad_norm"] = self.grad_norm
+            if self.replica_groups:  # the fewest groups in a step of the window, and the most
+                record["replica_groups_min"] = min(self.replica_groups)
+                record["replica_groups_max"] = max(self.replica_groups)
+                self.replica_groups = []
             handle = dist_utils.all_reduce_sum_async(sums)
             self.in_flight.append((handle, sums, list(self.names), record))
         while len(self.in_flight) > 1:

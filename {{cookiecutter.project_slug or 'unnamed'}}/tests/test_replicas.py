@@ -56,6 +56,9 @@ def test_the_live_groups_go_on_without_a_lost_one_and_heal_it_when_it_comes_back
     rejoined = [record["step"] for record in healed if "end" not in record][LOSE_AT - 1:]
     assert rejoined == list(range(alone[-1] + 1, total + 1)), rejoined
     assert f"healed from a live group at step {alone[-1]}" in output
+    windows = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    assert min(window["replica_groups_min"] for window in windows) == 1  # said in the log too
+    assert windows[-1]["replica_groups_max"] == GROUPS
     digests = {log[-1]["weights_sha256"] for log in (survivor, healed)}
     assert len(digests) == 1  # the same weights, bit for bit, in both groups
 
