@@ -170,7 +170,7 @@ class ReplicaGroups:
         start = run.position.step
         self.start_step()
         if not run.resumed and start == 0:
-            self._wait_for_every_group()
+            self.wait_for_every_group()
         self.quorum_ready = True
         healed = self.healed_at is not None
         log.info("replica group %d of %d: %s at step %d with %d group(s) live", self.group,
@@ -178,14 +178,16 @@ class ReplicaGroups:
                  run.position.step if healed else start, self.manager.num_participants())
         return healed
 
-    def _wait_for_every_group(self) -> None:
-        """A new job starts with every group (up to the timeout): the lighthouse forms a quorum
-        of the groups that have joined it, and the others would heal into a run under way."""
+    def wait_for_every_group(self) -> None:
+        """Quorums until every group is in one (up to the timeout), the last of them the next
+        step's. A new job starts so: the lighthouse forms a quorum of the groups that have joined
+        it, and the others would heal into a run under way."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         while self.manager.num_participants() < self.groups and time.monotonic() < deadline:
             time.sleep(0.1)  # the others are still starting (seconds): ask again
             self.manager.start_quorum()
         self.leading = self.manager.participating_rank() == 0
+        self.quorum_ready = True
 
     def start_step(self) -> None:
         """The step's quorum; heals this group first when a live one is further on."""

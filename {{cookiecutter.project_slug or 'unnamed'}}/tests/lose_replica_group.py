@@ -2,8 +2,9 @@
 
 Group LOSE_GROUP's rank 0 kills itself (SIGKILL) at optimizer step LOSE_AT, once (LOSE_MARKER
 notes it); its torchrun starts the group again, and the group heals from the live one. While a
-group is missing, each step of the others waits SLOW_STEP_S before it starts, so that the run
-is still going when the lost group comes back (a restart takes seconds; the full run, under one).
+group is missing, each step of the others waits SLOW_STEP_S before it starts, so that the lost
+group (a restart takes seconds; the whole run, about one) comes back while the run goes on, and
+at the last step they wait for it, so that it comes back whatever the machine's speed.
 """
 
 import os
@@ -29,7 +30,10 @@ def train_step_of_a_group(model, optimizer, *args, **kwargs):
         marker.write_text(str(step))
         os.kill(os.getpid(), signal.SIGKILL)
     if marker.exists() and replicas.participants() < replicas.groups:
-        time.sleep(float(os.environ["SLOW_STEP_S"]))
+        if step == replicas.run.total_steps:
+            replicas.wait_for_every_group()
+        else:
+            time.sleep(float(os.environ["SLOW_STEP_S"]))
     return real_step(model, optimizer, *args, **kwargs)
 
 
