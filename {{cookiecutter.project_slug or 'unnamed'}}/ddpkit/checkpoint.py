@@ -263,7 +263,7 @@ def chosen_by_rank_0(choose: Callable[[], Path | None]) -> Path | None:
     """The checkpoint `choose()` returns on rank 0 (there verified and held), the same on every
     rank (collective): one process reads the checksums, and a mistake is one line."""
     with dist_utils.agree_on_errors():
-        chosen = choose() if dist_utils.is_main_process() else None
+        chosen = choose() if dist_utils.is_rank_0() else None  # each replica group's too
     chosen = dist_utils.broadcast_object(str(chosen) if chosen else None)
     return Path(chosen) if chosen else None
 

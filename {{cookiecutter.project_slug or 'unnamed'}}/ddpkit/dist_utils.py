@@ -70,9 +70,14 @@ def get_dist_env() -> DistEnv:
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, launched=True)
 
 
+def is_rank_0() -> bool:
+    """Rank 0 of the process group: of the job, or with replica groups of this group."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def is_main_process() -> bool:
-    return ((not dist.is_initialized() or dist.get_rank() == 0)
-            and (lead_group is None or lead_group()))
+    """The process that writes the run's files (see DistEnv.is_main)."""
+    return is_rank_0() and (lead_group is None or lead_group())
 
 
 def select_device(env: DistEnv, requested: str) -> torch.device:
@@ -604,9 +609,9 @@ def run_main(main: Callable[[list[str]], None]) -> None:
     except UserError as error:
         _exit_on_user_error(str(error))
     except Preempted as stop:
-        if is_main_process() and stopped_by_torchrun():  # the job re-forms: not an end of it
+        if is_rank_0() and stopped_by_torchrun():  # the job re-forms: not an end of it
             print(f"stopped by torchrun: {stop}", file=sys.stderr, flush=True)
-        elif is_main_process():
+        elif is_rank_0():  # (with replica groups, each group's run.sh exits 75)
             print(f"preempted: {stop}", file=sys.stderr, flush=True)
             _tell_run_sh("preempted")
         leave(0 if os.environ.get("RUN_SH_STATUS_FILE") else PREEMPTED_EXIT)

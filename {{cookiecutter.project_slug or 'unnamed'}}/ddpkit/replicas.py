@@ -169,7 +169,9 @@ class ReplicaGroups:
             self.log_file = open(folder / f"group-{self.group}.jsonl", "a")  # noqa: SIM115
         start = run.position.step
         self.start_step()
-        if not run.resumed and start == 0:
+        # A launch's first start (not a torchrun restart of this group), not healed into a run
+        # under way: the launcher started the other groups at the same time.
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and run.position.step == start:
             self.wait_for_every_group()
         self.quorum_ready = True
         healed = self.healed_at is not None
@@ -180,8 +182,10 @@ class ReplicaGroups:
 
     def wait_for_every_group(self) -> None:
         """Quorums until every group is in one (up to the timeout), the last of them the next
-        step's. A new job starts so: the lighthouse forms a quorum of the groups that have joined
-        it, and the others would heal into a run under way."""
+        step's. A launch starts so: the lighthouse forms a quorum of the groups that have joined
+        it, and the others would heal into a run under way (or, resuming, train on alone from
+        the checkpoint they read while a group that finished was leaving). Only where every live
+        group waits so too: a group that trains meanwhile would count this one in its step."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         while self.manager.num_participants() < self.groups and time.monotonic() < deadline:
             time.sleep(0.1)  # the others are still starting (seconds): ask again

@@ -4,7 +4,8 @@ Group LOSE_GROUP's rank 0 kills itself (SIGKILL) at optimizer step LOSE_AT, once
 notes it); its torchrun starts the group again, and the group heals from the live one. While a
 group is missing, each step of the others waits SLOW_STEP_S before it starts, so that the lost
 group (a restart takes seconds; the whole run, about one) comes back while the run goes on, and
-at the last step they wait for it, so that it comes back whatever the machine's speed.
+at the last step they wait for it, so that it comes back whatever the machine's speed. With
+HOLD_AT instead, every group holds before that step until a preemption signal reaches it.
 """
 
 import os
@@ -21,10 +22,8 @@ from ddpkit import dist_utils  # noqa: E402
 real_step = train.train_step
 
 
-def train_step_of_a_group(model, optimizer, *args, **kwargs):
-    replicas = optimizer.replicas
+def lose_a_group(replicas, step: int) -> None:
     marker = Path(os.environ["LOSE_MARKER"])
-    step = replicas.run.position.step + 1
     if (replicas.group == int(os.environ["LOSE_GROUP"]) and step == int(os.environ["LOSE_AT"])
             and os.environ["RANK"] == "0" and not marker.exists()):
         marker.write_text(str(step))
@@ -34,6 +33,16 @@ def train_step_of_a_group(model, optimizer, *args, **kwargs):
             replicas.wait_for_every_group()
         else:
             time.sleep(float(os.environ["SLOW_STEP_S"]))
+
+
+def train_step_of_a_group(model, optimizer, *args, **kwargs):
+    replicas = optimizer.replicas
+    step = replicas.run.position.step + 1
+    if step == int(os.environ.get("HOLD_AT", "0")):
+        while not dist_utils.PREEMPTION_SIGNALS_RECEIVED:
+            time.sleep(0.05)  # until run_replicas.sh passes the test's SIGTERM on
+    if "LOSE_GROUP" in os.environ:
+        lose_a_group(replicas, step)
     return real_step(model, optimizer, *args, **kwargs)
 
 

@@ -7,8 +7,10 @@ heals from group 0 and both finish with the same weights, which evaluate to the 
 
 import json
 import os
+import re
 import signal
 import subprocess
+import time
 
 import pytest
 from test_distributed import evaluate_at
@@ -76,6 +78,48 @@ def test_the_live_groups_go_on_without_a_lost_one_and_heal_it_when_it_comes_back
 
     if strategy == "ddp":  # (model.pt is the same file whichever strategy trained it)
         evaluate_at(tmp_path, run_dir)  # exact at 1, 2 and 3 processes, as every run's model
+
+
+def test_preempted_replica_groups_each_save_and_the_same_command_resumes(tmp_path):
+    # SIGTERM to run_replicas.sh while both groups hold before step 40: each group stops at the
+    # step its ranks agree on, the leading one writes the checkpoint, each run.sh exits 75; the
+    # same command (same RDZV_ID) resumes from the newest checkpoint, in both groups.
+    args = ["tests/lose_replica_group.py", *TINY, f"run.output_dir={tmp_path / 'runs'}"]
+    env = dict(REPLICA_GROUPS=str(GROUPS), NPROC_PER_NODE="1", TMPDIR=str(tmp_path),
+               LIGHTHOUSE_PORT=str(free_port()), RDZV_ID=f"replicas-{tmp_path.name}")
+    launch = subprocess.Popen(["./run_replicas.sh", *args], cwd=PROJECT, text=True,
+                              start_new_session=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env=command_env(HOLD_AT="40", **env))
+    run_dir = tmp_path / "runs" / f"digits-mlp-{env['RDZV_ID']}"
+
+    def holding(group: int) -> bool:  # its step log has step 39: it holds before step 40
+        path = run_dir / "replica_groups" / f"group-{group}.jsonl"
+        return path.is_file() and '"step": 39,' in path.read_text()
+
+    try:
+        deadline = time.monotonic() + 120
+        while not all(holding(group) for group in range(GROUPS)):
+            assert time.monotonic() < deadline and launch.poll() is None, "never held at 40"
+            time.sleep(0.05)
+        launch.send_signal(signal.SIGTERM)
+        output, _ = launch.communicate(timeout=120)
+    finally:
+        left = processes_in_group(launch.pid)
+        if left:
+            os.killpg(launch.pid, signal.SIGKILL)
+    assert launch.returncode == 75 and not left, output
+    saved = [int(step) for step in re.findall(r"preempted: saved step (\d+) ", output)]
+    assert len(saved) == GROUPS and min(saved) >= 40, output
+    newest = sorted(path.name for path in (run_dir / "checkpoints").iterdir())[-1]
+    assert newest == f"step-{max(saved):08d}"
+
+    resumed = run(["./run_replicas.sh", *args], timeout=240, **env)
+    assert resumed.returncode == 0, resumed.stdout
+    assert resumed.stdout.count(f"resumed from {run_dir}/checkpoints/{newest}:") == GROUPS
+    logs = [step_log(run_dir, group) for group in range(GROUPS)]
+    steps = sorted({record["step"] for log in logs for record in log if "end" not in record})
+    assert steps == list(range(1, 3 * STEPS_PER_EPOCH + 1))  # every step, by one group or both
+    assert logs[0][-1]["weights_sha256"] == logs[1][-1]["weights_sha256"]
 
 
 def test_a_replica_group_without_a_lighthouse_is_one_line(tmp_path):
