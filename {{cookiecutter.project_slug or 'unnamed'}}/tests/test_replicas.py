@@ -26,25 +26,37 @@ GROUPS, LOSE_AT = 2, 30
 EPOCHS, STEPS_PER_EPOCH = 5, 19  # TINY's steps at 12 samples a step
 
 
+def start_replicas(args: list[str], **env: str) -> subprocess.Popen:
+    """./run_replicas.sh in a session of its own, its output read by `finish`."""
+    return subprocess.Popen(["./run_replicas.sh", *args], cwd=PROJECT, text=True,
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=command_env(**env))
+
+
+def finish(launch: subprocess.Popen, timeout: float) -> str:
+    """The launch's output once it has ended; no process of it may be left."""
+    try:
+        output, _ = launch.communicate(timeout=timeout)
+    finally:
+        left = processes_in_group(launch.pid)
+        if left:
+            os.killpg(launch.pid, signal.SIGKILL)
+    assert not left, left
+    return output
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_live_groups_go_on_without_a_lost_one_and_heal_it_when_it_comes_back(tmp_path,
                                                                                  strategy):
     args = ["tests/lose_replica_group.py", *TINY, f"train.epochs={EPOCHS}",
             f"parallel.strategy={strategy}", f"run.output_dir={tmp_path / 'runs'}"]
-    launch = subprocess.Popen(
-        ["./run_replicas.sh", *args], cwd=PROJECT, text=True, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env=command_env(REPLICA_GROUPS=str(GROUPS), NPROC_PER_NODE="2", TMPDIR=str(tmp_path),
-                        LIGHTHOUSE_PORT=str(free_port()), RDZV_ID=f"replicas-{tmp_path.name}",
-                        LOSE_GROUP="1", LOSE_AT=str(LOSE_AT), SLOW_STEP_S="0.1",
-                        LOSE_MARKER=str(tmp_path / "lost")))
-    try:
-        output, _ = launch.communicate(timeout=300)
-    finally:
-        left = processes_in_group(launch.pid)
-        if left:
-            os.killpg(launch.pid, signal.SIGKILL)
-    assert launch.returncode == 0 and not left, output
+    launch = start_replicas(args, REPLICA_GROUPS=str(GROUPS), NPROC_PER_NODE="2",
+                            TMPDIR=str(tmp_path), LIGHTHOUSE_PORT=str(free_port()),
+                            RDZV_ID=f"replicas-{tmp_path.name}", LOSE_GROUP="1",
+                            LOSE_AT=str(LOSE_AT), SLOW_STEP_S="0.1",
+                            LOSE_MARKER=str(tmp_path / "lost"))
+    output = finish(launch, timeout=300)
+    assert launch.returncode == 0, output
     assert (tmp_path / "lost").read_text() == str(LOSE_AT)  # the failure happened
 
     run_dir = only_run_dir(tmp_path / "runs")  # one run folder for both groups
@@ -87,27 +99,21 @@ def test_preempted_replica_groups_each_save_and_the_same_command_resumes(tmp_pat
     args = ["tests/lose_replica_group.py", *TINY, f"run.output_dir={tmp_path / 'runs'}"]
     env = dict(REPLICA_GROUPS=str(GROUPS), NPROC_PER_NODE="1", TMPDIR=str(tmp_path),
                LIGHTHOUSE_PORT=str(free_port()), RDZV_ID=f"replicas-{tmp_path.name}")
-    launch = subprocess.Popen(["./run_replicas.sh", *args], cwd=PROJECT, text=True,
-                              start_new_session=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env=command_env(HOLD_AT="40", **env))
+    launch = start_replicas(args, HOLD_AT="40", **env)
     run_dir = tmp_path / "runs" / f"digits-mlp-{env['RDZV_ID']}"
 
     def holding(group: int) -> bool:  # its step log has step 39: it holds before step 40
         path = run_dir / "replica_groups" / f"group-{group}.jsonl"
         return path.is_file() and '"step": 39,' in path.read_text()
 
-    try:
-        deadline = time.monotonic() + 120
-        while not all(holding(group) for group in range(GROUPS)):
-            assert time.monotonic() < deadline and launch.poll() is None, "never held at 40"
-            time.sleep(0.05)
-        launch.send_signal(signal.SIGTERM)
-        output, _ = launch.communicate(timeout=120)
-    finally:
-        left = processes_in_group(launch.pid)
-        if left:
-            os.killpg(launch.pid, signal.SIGKILL)
-    assert launch.returncode == 75 and not left, output
+    deadline = time.monotonic() + 120
+    while not all(holding(group) for group in range(GROUPS)):
+        if time.monotonic() > deadline or launch.poll() is not None:
+            raise AssertionError(f"the groups never held at step 40:\n{finish(launch, 10)}")
+        time.sleep(0.05)
+    launch.send_signal(signal.SIGTERM)
+    output = finish(launch, timeout=120)
+    assert launch.returncode == 75, output
     saved = [int(step) for step in re.findall(r"preempted: saved step (\d+) ", output)]
     assert len(saved) == GROUPS and min(saved) >= 40, output
     newest = sorted(path.name for path in (run_dir / "checkpoints").iterdir())[-1]
