@@ -120,6 +120,11 @@ class ReplicaGroups:
         if not env.launched:
             raise UserError("replica groups need torchrun: launch through run_replicas.sh or "
                             "run.sh, not python train.py")
+        trackers = [name for name in ("mlflow", "wandb") if cfg.tracking.get(name)]
+        if trackers:  # a tracker run is made before the groups know which one writes
+            raise UserError(f"tracking.{trackers[0]}=true does not go with replica groups yet: "
+                            f"set tracking.{trackers[0]}=false (train_log.jsonl and TensorBoard "
+                            "have the run; a tracker can read them afterwards)")
         if cfg.train.checkpoint_async:
             raise UserError("train.checkpoint_async=true does not go with replica groups (the "
                             "group that writes a checkpoint may change before the write ends): "

@@ -128,6 +128,24 @@ def test_preempted_replica_groups_each_save_and_the_same_command_resumes(tmp_pat
     assert logs[0][-1]["weights_sha256"] == logs[1][-1]["weights_sha256"]
 
 
+@pytest.mark.parametrize(("setting", "message"), [
+    ("train.checkpoint_async=true", "error: train.checkpoint_async=true does not go with replica "
+     "groups (the group that writes a checkpoint may change before the write ends): set "
+     "train.checkpoint_async=false"),
+    ("tracking.mlflow=true", "error: tracking.mlflow=true does not go with replica groups yet: "
+     "set tracking.mlflow=false (train_log.jsonl and TensorBoard have the run; a tracker can read "
+     "them afterwards)"),
+])
+def test_a_setting_replica_groups_cannot_honour_is_one_line(tmp_path, setting, message):
+    result = run(["./run_replicas.sh", *TINY, setting, f"run.output_dir={tmp_path / 'runs'}"],
+                 timeout=120, REPLICA_GROUPS="1", NPROC_PER_NODE="1", TMPDIR=str(tmp_path),
+                 LIGHTHOUSE_PORT=str(free_port()))
+    assert result.returncode == 2, result.stdout
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert errors == [message], result.stdout
+    assert not any((tmp_path / "runs").glob("*/checkpoints"))
+
+
 def test_a_replica_group_without_a_lighthouse_is_one_line(tmp_path):
     result = run(["./run.sh", *TINY, f"run.output_dir={tmp_path / 'runs'}"],
                  REPLICA_GROUP="0", REPLICA_GROUPS="2", NPROC_PER_NODE="1")
