@@ -144,10 +144,6 @@ else
     echo "error: NNODES=$nnodes needs MASTER_ADDR (the head node's address) and RDZV_ID (a job id), the same on every node; to run on this machine alone, start it as NNODES=1 ./run.sh" >&2
     exit 2
   fi
-  if [[ -n "${RDZV_CONF:-}" && ! "$RDZV_CONF" =~ ^[a-z_]+=[^,=]+(,[a-z_]+=[^,=]+)*$ ]]; then
-    echo "error: RDZV_CONF=$RDZV_CONF is not valid: give key=value pairs joined by commas, e.g. RDZV_CONF=last_call_timeout=5" >&2
-    exit 2
-  fi
   endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
   rendezvous=(--nnodes="$nnodes" --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$rdzv_id"
               --rdzv-conf="join_timeout=$join_timeout${RDZV_CONF:+,$RDZV_CONF}")
@@ -240,7 +236,8 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:
 
 # Check the command line and this machine before any worker starts: one line, in a second.
 in_background "$python" -m ddpkit.preflight --nproc-per-node "$nproc_per_node" --nnodes "$batch_nodes" \
-  --script "$script" --endpoint "$endpoint" --node-rank "${NODE_RANK:-}" "$@" || exit 2
+  --script "$script" --endpoint "$endpoint" --node-rank "${NODE_RANK:-}" \
+  --rdzv-conf "${endpoint:+${RDZV_CONF:-}}" "$@" || exit 2
 
 # How the job ended, when the workers ended it on purpose: rank 0 writes `error: ...` (a mistake
 # in the input, reported once), `preempted` (a checkpoint was saved on SIGTERM / SIGUSR1) or

@@ -39,8 +39,22 @@ for setting in "REPLICA_GROUPS=$groups" "LIGHTHOUSE_PORT=$port" \
     exit 2
   fi
 done
+if [[ "$port" -gt 65535 ]]; then
+  echo "error: LIGHTHOUSE_PORT=$port is not valid: it must be a port number, 1 to 65535" >&2
+  exit 2
+fi
 if ! command -v torchft_lighthouse >/dev/null 2>&1; then
   echo "error: torchft_lighthouse not found on PATH: install the torchft extra (pip install -e '.[torchft]') in the project's environment and activate it" >&2
+  exit 2
+fi
+# The Python the groups' run.sh use: said here once, not once by each group.
+python="${PYTHON:-python3}"
+if ! command -v "$python" >/dev/null 2>&1; then
+  echo "error: $python not found: set PYTHON to the Python that has the project's packages (README: Quick start)" >&2
+  exit 2
+fi
+if ! "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torchft") is None)' 2>/dev/null; then
+  echo "error: $(command -v "$python") lacks torchft, which replica groups need: install the torchft extra (pip install -e '.[torchft]') there, or set PYTHON to the Python that has it" >&2
   exit 2
 fi
 if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
@@ -48,11 +62,44 @@ if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
   exit 2
 fi
 
-torchft_lighthouse --min_replicas 1 --bind "[::]:$port" \
+# The lighthouse's errors (RUST_LOG: not its log of every quorum), for the line below when it
+# cannot start; the file goes with the launch.
+if ! lighthouse_log="$(mktemp "${TMPDIR:-/tmp}/lighthouse.XXXXXX" 2>/dev/null)"; then
+  echo "error: cannot create a file in ${TMPDIR:-/tmp}: set TMPDIR to a writable folder" >&2
+  exit 2
+fi
+lighthouse=""
+# shellcheck disable=SC2329  # called by the trap
+stop_lighthouse() {  # gone before this script is
+  if [[ -n "$lighthouse" ]]; then kill "$lighthouse" 2>/dev/null || true; wait "$lighthouse" 2>/dev/null || true; fi
+  rm -f "$lighthouse_log"
+}
+trap stop_lighthouse EXIT
+# Until the groups start, a signal ends the launch (and the EXIT trap the lighthouse).
+trap 'echo "interrupted before the groups started" >&2; exit 130' INT
+for signal in TERM HUP USR1; do
+  # shellcheck disable=SC2064  # the signal's name, now
+  trap "echo 'stopped by SIG$signal before the groups started, nothing to save: run the same command again' >&2; exit 75" "$signal"
+done
+RUST_LOG=error torchft_lighthouse --min_replicas 1 --bind "[::]:$port" \
   --heartbeat_timeout_ms "${HEARTBEAT_TIMEOUT_MS:-1000}" \
   --quorum_tick_ms "${QUORUM_TICK_MS:-50}" --join_timeout_ms "${JOIN_TIMEOUT_MS:-1000}" \
-  >/dev/null 2>&1 &
+  >/dev/null 2>"$lighthouse_log" &
 lighthouse=$!
+# Each group's run.sh asks for the lighthouse before it starts a worker: it must listen first,
+# which takes it a second or more (it imports torch). One that cannot start says why, once.
+deadline=$((SECONDS + 120))
+until (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do
+  if ! kill -0 "$lighthouse" 2>/dev/null; then
+    echo "error: torchft_lighthouse could not start on port $port ($(tail -n 1 "$lighthouse_log")): set LIGHTHOUSE_PORT to a free port" >&2
+    exit 2
+  fi
+  if [[ $SECONDS -ge $deadline ]]; then
+    echo "error: torchft_lighthouse did not listen on port $port in 120 s: start it by hand (torchft_lighthouse --min_replicas 1 --bind [::]:$port) to see why" >&2
+    exit 2
+  fi
+  sleep 0.1
+done
 pids=()
 # shellcheck disable=SC2329  # called by the traps
 pass_on() {  # each group's run.sh saves and stops (or stops at once on SIGINT) itself
@@ -62,7 +109,6 @@ for signal in TERM HUP USR1 INT; do
   # shellcheck disable=SC2064  # the signal's name, now
   trap "pass_on $signal" "$signal"
 done
-trap 'kill "$lighthouse" 2>/dev/null; wait "$lighthouse" 2>/dev/null || true' EXIT  # gone before this script is
 
 export TORCHFT_LIGHTHOUSE="http://localhost:$port" REPLICA_GROUPS="$groups"
 export RDZV_ID="${RDZV_ID:-replicas-$(date +%Y%m%d-%H%M%S)}"

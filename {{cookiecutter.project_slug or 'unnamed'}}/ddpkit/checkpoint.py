@@ -71,7 +71,12 @@ def lock_run_dir(path: Path, name: str = LOCK_FILE) -> None:
     An flock: the kernel releases it when its process ends, however it ends, so a lock left by
     a killed job is free again; taking it over from another job says so once.
     """
-    handle = open(path / name, "a+")  # noqa: SIM115 (kept open: the lock lasts with it)
+    lock = path / name
+    existed = lock.exists()
+    try:
+        handle = open(lock, "a+")  # noqa: SIM115 (kept open: the lock lasts with it)
+    except OSError as error:
+        raise UserError(write_failure(error, lock)) from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:
@@ -88,10 +93,18 @@ def lock_run_dir(path: Path, name: str = LOCK_FILE) -> None:
     if previous and previous.get("job") != job_id():
         log.warning("took over run folder %s from host %s, pid %s, which is no longer running",
                     path, previous.get("host"), previous.get("pid"))
-    handle.seek(0)
-    handle.truncate()
-    handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": job_id()}))
-    handle.flush()
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                 "job": job_id()}))
+        handle.flush()
+    except OSError as error:  # a full disk: no lock file of this launch's left behind
+        with contextlib.suppress(OSError):
+            handle.close()
+        if not existed:
+            lock.unlink(missing_ok=True)
+        raise UserError(write_failure(error, lock)) from None
     _held_locks.append(handle)
 
 
@@ -114,10 +127,11 @@ class RunDir:
         and left empty (but for the run id marker), so failed launches leave no litter."""
         if not (self.created and dist_utils.is_main_process() and self.path.is_dir()):
             return
-        markers = {JOB_ID_FILE, LOCK_FILE}
-        if {p.name for p in self.path.iterdir()} <= markers:
-            for name in markers:
-                (self.path / name).unlink(missing_ok=True)
+        markers = [p for p in self.path.iterdir()
+                   if p.name == JOB_ID_FILE or p.name.startswith(LOCK_FILE)]
+        if len(markers) == len(list(self.path.iterdir())):
+            for marker in markers:
+                marker.unlink(missing_ok=True)
             self.path.rmdir()
 
 
@@ -137,15 +151,22 @@ def _create_run_dir(cfg: DictConfig) -> RunDir:
             if marker.read_text() == run_id:
                 return RunDir(marker.parent, created=False)
     base = output_dir / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    base.parent.mkdir(parents=True, exist_ok=True)
+    new_output_dir = not output_dir.exists()
+    output_dir.mkdir(parents=True, exist_ok=True)
     for attempt in range(1000):  # another run may have started in the same second
         path = base.with_name(f"{base.name}-{attempt}") if attempt else base
         try:
             path.mkdir()
+            if run_id:
+                (path / JOB_ID_FILE).write_text(run_id)
         except FileExistsError:
             continue
-        if run_id:
-            (path / JOB_ID_FILE).write_text(run_id)
+        except OSError as error:  # a full disk: the folders this made are removed again
+            shutil.rmtree(path, ignore_errors=True)
+            if new_output_dir:
+                with contextlib.suppress(OSError):
+                    output_dir.rmdir()
+            raise OSError(error.errno, error.strerror, str(path)) from None
         return RunDir(path, created=True)
     raise UserError(f"cannot create a new run folder next to {base}: too many exist")
 
@@ -170,16 +191,26 @@ def open_run_dir(cfg: DictConfig, env: DistEnv, group: int | None = None) -> Run
     (collective). With replica groups, each group's rank 0 opens the shared folder and locks
     its group's part of it."""
     with dist_utils.agree_on_errors():
-        if group is not None:
-            run = _replica_run_dir(cfg) if env.rank == 0 else None
-            if run:
-                lock_run_dir(run.path, f"{LOCK_FILE}-group-{group}")
-        else:
-            run = _create_run_dir(cfg) if env.is_main else None
-            if run:
-                lock_run_dir(run.path)
+        opens = env.rank == 0 if group is not None else env.is_main
+        run = _open_and_lock(cfg, group) if opens else None
     path, created = dist_utils.broadcast_object((str(run.path), run.created) if run else None)
     return RunDir(Path(path), created)
+
+
+def _open_and_lock(cfg: DictConfig, group: int | None) -> RunDir:
+    """Rank 0's part of open_run_dir: a folder it cannot create or lock (a full disk, say) is
+    one line, and a folder this launch created is removed again."""
+    try:
+        run = _replica_run_dir(cfg) if group is not None else _create_run_dir(cfg)
+    except OSError as error:
+        where = Path(error.filename or cfg.run.dir or cfg.run.output_dir)
+        raise UserError(write_failure(error, where)) from None
+    try:
+        lock_run_dir(run.path, LOCK_FILE if group is None else f"{LOCK_FILE}-group-{group}")
+    except UserError:
+        run.discard_if_unused()
+        raise
+    return run
 
 
 # --- the checkpoint format ----------------------------------------------------------------------
@@ -198,6 +229,9 @@ def open_run_dir(cfg: DictConfig, env: DistEnv, group: int | None = None) -> Run
 #                                    checkpoint): what evaluate.py and a shipped model need
 
 SHARDED_PARTS = ("model", "optimizer")  # saved by every rank through DCP; the rest in state.pt
+# The checkpoint format, recorded in state.pt as `format_version`. 1 (no entry): written before
+# the version was recorded, with or without a manifest; 2: always with its manifest.
+FORMAT_VERSION = 2
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.pt"  # the run's final model, in one file
@@ -208,6 +242,14 @@ EXPORT_FORMAT = "model export"  # the `format` entry of a one-file export
 
 def is_checkpoint(path: Path) -> bool:
     return (Path(path) / STATE_FILE).is_file()
+
+
+def looks_like_checkpoint(path: Path) -> bool:
+    """A folder that is a checkpoint, whole or damaged: a step-N folder, or one with the
+    files only a checkpoint has (a run folder has none of them)."""
+    path = Path(path)
+    return path.name.startswith("step-") or any(
+        (path / name).exists() for name in (STATE_FILE, MANIFEST_FILE, ".metadata"))
 
 
 def list_checkpoints(folder: Path) -> list[Path]:
@@ -221,7 +263,7 @@ def find_checkpoint(spec: str) -> Path:
     """A checkpoint folder or a model file as given, verified; or the newest intact checkpoint
     of a run folder. Either is held (`hold`): pruning leaves it while this process lives."""
     path = Path(spec)
-    if path.is_dir() and not is_checkpoint(path):
+    if path.is_dir() and not looks_like_checkpoint(path):
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         return newest_intact(folder, "reading")
     if not path.exists():
@@ -275,8 +317,9 @@ class Damaged(UserError):
 
     def __init__(self, path: Path, file: str, why: str):
         self.path, self.file, self.why = path, file, why
+        state = "is missing" if why == "missing" else f"is damaged ({why})"
         super().__init__(
-            f"cannot load checkpoint {path}: {file} is damaged ({why}): give an earlier "
+            f"cannot load checkpoint {path}: {file} {state}: give an earlier "
             "checkpoint of the run, or its run folder to use the newest intact one, or copy "
             "this one again from where it came from")
 
@@ -314,8 +357,9 @@ def write_manifest(folder: Path) -> None:
 
 def verified(path: Path) -> bool:
     """Whether a checkpoint folder matches its manifest: True; False (and one line) when it has
-    none (saved by an older version); Damaged names the first file that is missing or differs;
-    Vanished when the folder itself is gone."""
+    none and was saved by an older version that wrote none; Damaged names the first file that
+    is missing or differs (the manifest too, where one was written); Vanished when the folder
+    itself is gone."""
     path = Path(path)
     try:
         files = json.loads((path / MANIFEST_FILE).read_text())["files"]
@@ -324,6 +368,8 @@ def verified(path: Path) -> bool:
     except FileNotFoundError:
         if not path.is_dir():
             raise Vanished(path) from None
+        if _had_a_manifest(path):
+            raise Damaged(path, MANIFEST_FILE, "missing") from None
         log.warning("%s has no %s (saved by an older version): it could not be verified",
                     path, MANIFEST_FILE)
         return False
@@ -336,6 +382,21 @@ def verified(path: Path) -> bool:
         if _measure(path, name, _crc32) != crc:
             raise Damaged(path, name, "checksum differs")
     return True
+
+
+def _had_a_manifest(path: Path) -> bool:
+    """Whether a checkpoint without a manifest lost it: its state.pt is of a format that always
+    has one, or another checkpoint of its run has one (its run writes them). Only a run of an
+    older version, which never wrote one, may be read unverified."""
+    if any((other / MANIFEST_FILE).is_file() for other in list_checkpoints(path.parent)):
+        return True
+    try:
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise Damaged(path, STATE_FILE, "missing") from None
+    except Exception:  # truncated, foreign, or holding code: load_checkpoint says which
+        return False
+    return isinstance(state, dict) and state.get("format_version", 1) >= 2
 
 
 def _measure(path: Path, name: str, measure) -> int:
@@ -353,13 +414,16 @@ _held: dict[Path, object] = {}  # checkpoint -> its open state.pt, share-locked
 def hold(path: Path) -> bool:
     """A shared lock on a checkpoint (its state.pt) until release() or the end of this process:
     prune_checkpoints leaves a held checkpoint for a later save, so evaluate.py and export.py
-    read a whole one while training prunes. False when it was deleted before the lock."""
+    read a whole one while training prunes. False when it was deleted before the lock; Damaged
+    when its folder is there without a state.pt."""
     path = Path(path)
     if path in _held:
         return True
     try:
         handle = open(path / STATE_FILE, "rb")  # noqa: SIM115 (kept open: the lock lasts with it)
     except FileNotFoundError:
+        if path.is_dir():  # the folder is there without its state.pt: damaged, not pruned
+            raise Damaged(path, STATE_FILE, "missing") from None
         return False
     with contextlib.suppress(OSError):  # a file system without locks: read it unprotected
         fcntl.flock(handle, fcntl.LOCK_SH)  # waits while a pruner deletes it
@@ -407,9 +471,9 @@ def newest_intact(folder: Path, purpose: str, none_ok: bool = False, tries: int 
 
 def _intact(path: Path, skipped: dict) -> bool:
     """Held and verified (or without a manifest); a damaged one is noted in `skipped`."""
-    if not hold(path):
-        raise Vanished(path)
     try:
+        if not hold(path):
+            raise Vanished(path)
         verified(path)
     except Damaged as damaged:
         release(path)
@@ -521,12 +585,15 @@ def tensor_bytes(value) -> int:
     return 0
 
 
-def write_failure(error: OSError, path: Path, needed: int | None = None) -> str:
-    """One line for a failed write: what, why, and for a full disk the space there and needed."""
+def write_failure(error: OSError, path: Path, needed: int | None = None,
+                  free: int | None = None) -> str:
+    """One line for a failed write: what, why, and for a full disk the space there (`free`, as
+    measured when the write failed, before its partial files were removed) and needed."""
     folder = path.parent
     message = f"cannot write {path}: {error.strerror or error}"
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = shutil.disk_usage(folder).free if folder.exists() else 0
+        if free is None:
+            free = shutil.disk_usage(folder).free if folder.exists() else 0
         need = f", about {needed / 1e6:.1f} MB needed" if needed else ""
         message += (f" ({free / 1e6:.1f} MB free in {folder}{need}); free space there or set "
                     "run.output_dir / run.dir to a larger disk, then rerun to resume")
@@ -620,6 +687,7 @@ class Checkpointer:
         self.pending: Future | None = None  # done when the write in flight is renamed into place
         self.pending_path: Path | None = None
         self.pending_bytes = 0
+        self.free_at_failure: int | None = None  # disk space when the last write failed
 
     def due(self, step: int) -> bool:
         """Whether a periodic checkpoint is due after optimizer step `step`."""
@@ -633,7 +701,7 @@ class Checkpointer:
         rngs = dist_utils.gather_objects(rng_state())  # each rank's generators
         small = {name: part.state_dict() if part is not None else None
                  for name, part in parts.items() if name not in SHARDED_PARTS}
-        small.update(step=position.step, epoch=position.epoch,
+        small.update(format_version=FORMAT_VERSION, step=position.step, epoch=position.epoch,
                      step_in_epoch=position.step_in_epoch, world_size=env.world_size, rng=rngs,
                      config=OmegaConf.to_container(cfg))
         sharded = {name: parts[name].state_dict() for name in SHARDED_PARTS}
@@ -641,16 +709,10 @@ class Checkpointer:
         tmp = self.folder / f".{path.name}.tmp"
         refuse_non_finite(sharded["model"], position.step, self.folder)
         self.pending_path, self.pending_bytes = path, tensor_bytes(sharded) + tensor_bytes(small)
+        self.free_at_failure = None
         with dist_utils.agree_on_errors():  # also a barrier: nobody writes into tmp before this
             if env.is_main:
-                try:
-                    if tmp.exists():  # left by a job killed while it wrote this checkpoint
-                        shutil.rmtree(tmp)
-                    tmp.mkdir(parents=True)
-                    write_atomically(small, tmp / STATE_FILE)
-                except OSError as error:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise UserError(write_failure(error, path, self.pending_bytes)) from None
+                self._start_folder(tmp, small)
         writer = FileSystemWriter(tmp)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*(single process|TypedStorage).*")
@@ -686,6 +748,17 @@ class Checkpointer:
         upload.add_done_callback(finish)
         self.pending = done
 
+    def _start_folder(self, tmp: Path, small: dict) -> None:
+        """Rank 0: the checkpoint's temporary folder, with its state.pt."""
+        try:
+            if tmp.exists():  # left by a job killed while it wrote this checkpoint
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            write_atomically(small, tmp / STATE_FILE)
+        except OSError as error:
+            self._discard(tmp)
+            raise UserError(self._write_failure(error)) from None
+
     def _finish(self, tmp: Path, path: Path) -> None:
         """Rank 0: the complete checkpoint renamed into place (atomic), older ones pruned."""
         if not self.env.is_main:
@@ -698,9 +771,15 @@ class Checkpointer:
         prune_checkpoints(self.folder, self.keep, self.best)
 
     def _discard(self, tmp: Path) -> None:
-        """Rank 0: what a failed write left (a full disk gets its space back)."""
+        """Rank 0: what a failed write left (a full disk gets its space back), the space free
+        before that noted for the message."""
         if self.env.is_main:
+            with contextlib.suppress(OSError):
+                self.free_at_failure = shutil.disk_usage(self.folder).free
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _write_failure(self, error: OSError) -> str:
+        return write_failure(error, self.pending_path, self.pending_bytes, self.free_at_failure)
 
     def _full_disk(self) -> OSError | None:
         """A full disk, when a failed write does not say so itself: DCP passes each rank's
@@ -723,15 +802,14 @@ class Checkpointer:
                 # Rank 0's account of it, so that every rank reports the same line.
                 cause = (_cause(error) or self._full_disk()) if self.env.is_main else None
                 message = dist_utils.broadcast_object(
-                    write_failure(cause, self.pending_path, self.pending_bytes) if cause else None)
+                    self._write_failure(cause) if cause else None)
                 if message:
                     raise UserError(message) from None
                 raise RuntimeError(f"writing {self.pending_path} failed: {one_line(error)}"
                                    ) from None
             except Exception as error:  # this rank's alone (rank 0 renaming, say)
                 if (cause := _cause(error)) is not None:
-                    raise UserError(write_failure(cause, self.pending_path,
-                                                  self.pending_bytes)) from None
+                    raise UserError(self._write_failure(cause)) from None
                 raise
 
 

@@ -427,9 +427,24 @@ def _check_values(cfg: DictConfig, world_size: int | None) -> None:
     if cfg.train.export == "best" and not cfg.train.keep_best:
         raise UserError("train.export=best needs the best checkpoint: set train.keep_best=true, "
                         "or train.export=last")
+    if cfg.parallel.cpu_offload and cfg.parallel.strategy != "fsdp":
+        raise UserError("parallel.cpu_offload=true keeps FSDP's shards in CPU memory, which "
+                        f"parallel.strategy={cfg.parallel.strategy} does not have: set "
+                        "parallel.strategy=fsdp, or leave parallel.cpu_offload=false")
+    if cfg.train.max_steps:
+        check_profile_steps(cfg, cfg.train.max_steps)  # with the data known: run_setup too
     _check_schedule(cfg.optim)
     if world_size is not None:
         check_batch_divides(cfg, world_size)
+
+
+def check_profile_steps(cfg: DictConfig, total_steps: int) -> None:
+    """The profiled steps start within a run of `total_steps` steps."""
+    profile = cfg.profile
+    if profile.enabled and profile.start_step > total_steps:
+        raise UserError(f"profile.start_step={profile.start_step} comes after the run's last "
+                        f"step ({total_steps}), so nothing would be profiled: set "
+                        "profile.start_step to a step of the run")
 
 
 def _check_schedule(optim: DictConfig) -> None:
@@ -450,6 +465,47 @@ def _check_schedule(optim: DictConfig) -> None:
     if optim.schedule == "multistep" and not milestones:
         raise UserError("optim.schedule=multistep needs optim.milestones, the steps that decay, "
                         "e.g. optim.milestones=[1000,2000]")
+
+
+# Settings that act only with another setting's value: (that setting, the values it acts with).
+# Given while that setting has another value, they cannot take effect: inactive_settings says so.
+ACTS_ONLY_WITH = {
+    "parallel.reshard_after_forward": ("parallel.strategy", ("fsdp",)),
+    "ddp.find_unused_parameters": ("parallel.strategy", ("ddp",)),
+    "ddp.static_graph": ("parallel.strategy", ("ddp",)),
+    "ddp.gradient_as_bucket_view": ("parallel.strategy", ("ddp",)),
+    "optim.step_size": ("optim.schedule", ("step",)),
+    "optim.milestones": ("optim.schedule", ("multistep",)),
+    "optim.gamma": ("optim.schedule", ("step", "multistep", "plateau")),
+    "optim.plateau_patience": ("optim.schedule", ("plateau",)),
+    "speed.compile_mode": ("speed.compile", (True,)),
+    "tracking.mlflow_uri": ("tracking.mlflow", (True,)),
+    "tracking.wandb_mode": ("tracking.wandb", (True,)),
+    "train.early_stop_min_delta": ("train.early_stop_patience", None),  # None: any but 0
+    **{f"profile.{key}": ("profile.enabled", (True,))
+       for key in ("start_step", "steps", "memory", "with_stack", "top_ops")},
+}
+
+
+def inactive_settings(cfg: DictConfig, given: list[str]) -> list[str]:
+    """One line for each setting the command line (or a config file) gives that cannot take
+    effect with the others: a schedule's numbers under another schedule, a DDP option under
+    FSDP, a profiler setting with the profiler off. A schedule of yours may read any of them."""
+    found = []
+    for key in given:
+        if key not in ACTS_ONLY_WITH:
+            continue
+        other, values = ACTS_ONLY_WITH[key]
+        value = OmegaConf.select(cfg, other)
+        if other == "optim.schedule" and value not in SCHEDULE_NAMES:
+            continue
+        if value in values if values is not None else value:
+            continue
+        wanted = (" or ".join(str(v).lower() for v in values) if values is not None
+                  else "a value above 0")
+        found.append(f"{key}={OmegaConf.select(cfg, key)} has no effect with {other}="
+                     f"{str(value).lower()}: it acts only with {other}={wanted}")
+    return found
 
 
 def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
@@ -539,8 +595,9 @@ def lookup(registry: dict, name: str, key: str, what: str):
         return registry[name]
     module_name, colon, attribute = name.rpartition(":")
     if not (colon and module_name and attribute):
-        raise UserError(f"{key}={name} is not {what}: choose one of {', '.join(registry)}, or "
-                        "name one of your own as module:name or path/file.py:name")
+        choices = f"choose one of {', '.join(registry)}, or " if registry else ""
+        raise UserError(f"{key}={name} is not {what}: {choices}name one of your own as "
+                        "module:name or path/file.py:name")
     try:
         module = _import_module(module_name)
         return getattr(module, attribute)

@@ -28,6 +28,7 @@ Honour `cfg.augment` in your training transform: check_equivalence.py switches i
 """
 
 import csv
+import functools
 import importlib.util
 import json
 import math
@@ -43,7 +44,7 @@ from torch.utils.data import Dataset
 
 from ddpkit.config import PROJECT_DIR, UserError
 from ddpkit.splits import Splits, array_splits, split_indices
-from ddpkit.streams import ShardedStream
+from ddpkit.streams import DataError, ShardedStream, check_npy, load_npy
 
 
 def sklearn_csv(name: str) -> Path | None:
@@ -77,16 +78,20 @@ def digits(cfg: DictConfig) -> Splits:
 class NpyFolder(Dataset):
     """Samples stored one `.npy` file each in `root`, listed with their labels in
     `root/labels.csv` (columns: file, label). Only the files of the samples a rank asks for are
-    read, so the data need not fit in memory; `transform` applies to each sample's tensor."""
+    read, so the data need not fit in memory; `transform` applies to each sample's tensor.
+    A sample file that cannot be read is a DataError naming it, ending with `fix` (what to do);
+    its headers are not checked at start-up (millions of files would take minutes)."""
 
-    def __init__(self, root: Path, files: list[str], labels: list[int], transform=None):
+    def __init__(self, root: Path, files: list[str], labels: list[int], transform=None,
+                 fix: str = "write it again"):
         self.root, self.files, self.labels, self.transform = root, files, labels, transform
+        self.fix = fix
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, index: int):
-        inputs = torch.from_numpy(np.load(self.root / self.files[index]))
+        inputs = torch.from_numpy(load_npy(self.root / self.files[index], self.fix))
         if self.transform:
             inputs = self.transform(inputs)
         return inputs, torch.tensor(self.labels[index])
@@ -100,14 +105,64 @@ def random_shift(image: torch.Tensor) -> torch.Tensor:
     return torch.roll(image, shifts=(dy, dx), dims=(-2, -1))
 
 
-def read_labels(root: Path) -> tuple[list[str], list[int]]:
+def read_labels(root: Path, fix: str = "fix it") -> tuple[list[str], list[int]]:
+    """The sample files and labels listed in root/labels.csv (columns: file, label; labels whole
+    numbers from 0). A file that is not such a table is a DataError naming it and the line at
+    fault, ending with `fix` (what to do)."""
     table = root / "labels.csv"
     if not table.is_file():
         raise UserError(f"data.root={root} has no labels.csv: point data.root at the folder "
                         "that holds the sample files and labels.csv")
-    with open(table, newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    return [row["file"] for row in rows], [int(row["label"]) for row in rows]
+    try:
+        with open(table, newline="") as handle:
+            files, labels = _label_rows(csv.DictReader(handle), table, fix)
+    except (UnicodeDecodeError, csv.Error) as error:
+        reason = " ".join(str(error).split())
+        raise DataError(f"{table} is not a CSV table ({reason}): {fix}") from None
+    except OSError as error:
+        raise DataError(f"{table} cannot be read ({error.strerror}): {fix}") from None
+    if not files:
+        raise DataError(f"{table} lists no samples: {fix}")
+    return files, labels
+
+
+def _label_rows(reader: csv.DictReader, table: Path, fix: str) -> tuple[list[str], list[int]]:
+    if not {"file", "label"} <= set(reader.fieldnames or ()):
+        raise DataError(f"{table} has the columns {reader.fieldnames}, not file and label: {fix}")
+    files, labels = [], []
+    for row in reader:
+        name, label = row["file"], row["label"]
+        if not name or label is None:
+            raise DataError(f"{table} line {reader.line_num} gives no "
+                            f"{'file' if not name else 'label'}: {fix}")
+        if not label.strip().isdecimal():
+            raise DataError(f"{table} line {reader.line_num}: the label {label!r} is not a whole "
+                            f"number from 0: {fix}")
+        files.append(name)
+        labels.append(int(label))
+    return files, labels
+
+
+def first_missing(root: Path, files: list[str]) -> str | None:
+    """The first of `files` (paths under `root`) that is not there, or None. One listing per
+    folder rather than one stat per file: cheap at start-up even for millions of samples."""
+    listed: dict[str, set[str]] = {}
+    for name in files:
+        folder, base = os.path.split(name)
+        if folder not in listed:
+            directory = root / folder
+            listed[folder] = set(os.listdir(directory)) if directory.is_dir() else set()
+        if base not in listed[folder]:
+            return name
+    return None
+
+
+def rewrite_hint(root: Path, written_here: bool, what: str) -> str:
+    """What to do about a damaged file of a built-in dataset's folder: one the run wrote itself
+    (data.root left empty) is written anew once deleted; one of data.root is the user's."""
+    if written_here:
+        return f"delete the folder {root} and the next run writes it anew"
+    return f"write {what} again"
 
 
 def write_folder_once(root: Path, marker: str, write) -> None:
@@ -145,12 +200,17 @@ def digits_files(cfg: DictConfig) -> Splits:
     root = Path(cfg.root) if cfg.root else PROJECT_DIR / "data" / "digits_files"
     if not cfg.root and not root.exists():
         write_digits_folder(root)
-    files, labels = read_labels(root)
+    fix = rewrite_hint(root, not cfg.root, "it")
+    files, labels = read_labels(root, fix)
+    missing = first_missing(root, files)
+    if missing is not None:  # found now, not when a worker reaches it mid-epoch
+        raise DataError(f"{root / missing} is missing (labels.csv lists it): {fix}")
     indices = split_indices(cfg, len(files), np.array(labels))
 
     def part(name: str, transform=None) -> NpyFolder:
         chosen = indices[name]
-        return NpyFolder(root, [files[i] for i in chosen], [labels[i] for i in chosen], transform)
+        return NpyFolder(root, [files[i] for i in chosen], [labels[i] for i in chosen], transform,
+                         fix)
 
     return Splits(part("train", random_shift if cfg.augment else None), part("val"), part("test"),
                   task="multiclass", num_classes=max(labels) + 1)
@@ -163,17 +223,43 @@ SHARD_SAMPLES = 128  # samples per shard file of digits_shards (the last of a sp
 
 class NpyShard:
     """One shard of digits_shards: `<name>.x.npy` (inputs) and `<name>.y.npy` (labels), memory
-    mapped, so that indexing reads only the rows asked for."""
+    mapped, so that indexing reads only the rows asked for. (check_npy_shard has checked both
+    at start-up; a file damaged since is a DataError naming it, ending with `fix`.)"""
 
-    def __init__(self, prefix: str):
-        self.inputs = np.load(f"{prefix}.x.npy", mmap_mode="r")
-        self.labels = np.load(f"{prefix}.y.npy", mmap_mode="r")
+    def __init__(self, prefix: str, fix: str = "write it again"):
+        self.inputs = load_npy(f"{prefix}.x.npy", fix, mmap_mode="r")
+        self.labels = load_npy(f"{prefix}.y.npy", fix, mmap_mode="r")
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, row: int):
         return torch.from_numpy(np.array(self.inputs[row])), torch.tensor(int(self.labels[row]))
+
+
+def check_npy_shard(prefix: str, count: int | None, fix: str = "write it again") -> None:
+    """digits_shards' start-up check of a shard (ShardedStream's `check`): both of its files
+    whole, with `count` rows each. Headers and sizes only: milliseconds for hundreds."""
+    for part in ("x", "y"):
+        check_npy(f"{prefix}.{part}.npy", count, fix)
+
+
+def read_counts(table: Path, fix: str) -> dict[str, dict[str, int]]:
+    """counts.json of digits_shards: {split: {shard name: samples}} for train, val and test."""
+    try:
+        counts = json.loads(table.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        reason = " ".join(str(error).split())
+        raise DataError(f"{table} is not valid JSON ({reason}): {fix}") from None
+    except OSError as error:
+        raise DataError(f"{table} cannot be read ({error.strerror}): {fix}") from None
+    for split in ("train", "val", "test"):
+        shards = counts.get(split) if isinstance(counts, dict) else None
+        if not shards or not isinstance(shards, dict) or not all(
+                type(count) is int and count >= 0 for count in shards.values()):
+            raise DataError(f"{table} gives no sample counts of the {split} split (an object "
+                            f"of shard names and their samples): {fix}")
+    return counts
 
 
 def shift_sample(sample: tuple) -> tuple:
@@ -213,12 +299,16 @@ def digits_shards(cfg: DictConfig) -> Splits:
     if not table.is_file():
         raise UserError(f"data.root={root} has no counts.json: point data.root at a folder "
                         "written by digits_shards")
-    counts = json.loads(table.read_text())
+    fix = rewrite_hint(root, not cfg.root, "the shards")
+    counts = read_counts(table, fix)
 
     def stream(split: str, transform=None) -> ShardedStream:
         names = sorted(counts[split])
-        return ShardedStream([str(root / name) for name in names], NpyShard,
-                             [counts[split][name] for name in names], transform=transform)
+        # Every shard's headers checked once here, in each process: a bad file is one line now
+        return ShardedStream([str(root / name) for name in names],
+                             functools.partial(NpyShard, fix=fix),
+                             [counts[split][name] for name in names], transform=transform,
+                             check=functools.partial(check_npy_shard, fix=fix))
 
     return Splits(stream("train", shift_sample if cfg.augment else None), stream("val"),
                   stream("test"), task="multiclass", num_classes=10)

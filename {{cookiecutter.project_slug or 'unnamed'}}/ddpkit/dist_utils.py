@@ -245,6 +245,24 @@ def _exit_on_user_error(message: str) -> None:
     leave(0 if os.environ.get("RUN_SH_STATUS_FILE") else 2)
 
 
+def _exit_alone_on_user_error(message: str) -> NoReturn:
+    """A user error this rank met alone while the others went on (a damaged sample read
+    mid-epoch): no agreement, as they wait in a collective it will never join. It says so once
+    (the first such rank of this machine), tells run.sh, which exits 2 and whose restarts leave
+    at once (_job_failed), and exits now, so that torchrun stops the others (a peer failure)."""
+    rank = int(os.environ.get("RANK", "0"))
+    text = f"rank {rank}: {message}" if _world_size_given() > 1 else message
+    status_file = os.environ.get("RUN_SH_STATUS_FILE")
+    try:
+        if status_file:
+            os.close(os.open(f"{status_file}.reported", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        _tell_run_sh(f"error: {text}")
+        print(f"error: {text}", file=sys.stderr, flush=True)
+    except FileExistsError:
+        pass  # another rank of this machine has reported
+    exit_now(2)
+
+
 def leave(code: int) -> NoReturn:
     """End this process in order, but without the interpreter's own teardown: leave the process
     groups, run the exit handlers (logging, trackers, DataLoader workers), flush, and exit.
@@ -578,7 +596,8 @@ def _job_failed() -> bool:
     """Whether a rank of this run.sh launch has failed in a way that a restart would repeat."""
     status_file = os.environ.get("RUN_SH_STATUS_FILE")
     with contextlib.suppress(OSError):
-        return bool(status_file) and Path(status_file).read_text().startswith("failed")
+        return bool(status_file) and Path(status_file).read_text().startswith(("failed",
+                                                                                "error:"))
     return False
 
 
@@ -607,6 +626,8 @@ def run_main(main: Callable[[list[str]], None]) -> None:
     try:
         main(sys.argv[1:])
     except UserError as error:
+        if getattr(error, "raised_alone", False):  # (streams.DataError, from a read mid-run)
+            _exit_alone_on_user_error(str(error))
         _exit_on_user_error(str(error))
     except Preempted as stop:
         if is_rank_0() and stopped_by_torchrun():  # the job re-forms: not an end of it

@@ -1,18 +1,23 @@
 """Checks run.sh makes before torchrun starts a single worker: each problem is one line, exit 2.
 
     python -m ddpkit.preflight --nproc-per-node N --nnodes M|MIN:MAX [--script train.py]
-                        [--endpoint HOST:PORT --node-rank R] [--config FILE] [key=value ...]
+                        [--endpoint HOST:PORT --node-rank R --rdzv-conf K=V,...]
+                        [--config FILE] [key=value ...]
 
 It compiles the files of your own (a syntax error would otherwise stop every rank, and every
 restart, with its own traceback), checks the config (and, for train.py, that the global batch
 splits over N x M processes, or over every world size an elastic MIN:MAX job can take), that
 this machine has the GPUs the processes need, that ddp.backend=nccl has CUDA to run on, and that
 the rendezvous port of a multi-node job is free on the head node (R = 0), or held by the job's
-rendezvous when the node rank is not given. torch is imported only on a machine with NVIDIA
-devices or a taken port, so on a CPU machine this takes a fraction of a second.
+rendezvous when the node rank is not given, and that torchrun can read RDZV_CONF's values (a key
+it does not read is a warning). torch is imported only on a machine with NVIDIA devices or a
+taken port, or for a setting given that names something in torch or in your files (optim.name,
+optim.schedule, train.best_metric, ...), so a plain launch on a CPU machine takes a fraction of
+a second.
 """
 
 import datetime
+import difflib
 import errno
 import os
 import re
@@ -21,6 +26,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ddpkit import replicas
 from ddpkit.project import PROJECT_DIR
 from ddpkit.recipes import RECIPES, SETTINGS
 
@@ -114,16 +120,91 @@ def check_rendezvous_port(endpoint: str, node_rank: str) -> None:
                       "to a free port")
 
 
+# Settings that name something in torch or in your files. Checking them takes importing torch
+# and your files (a second or two), so it is done here only when one is given; otherwise the
+# workers check them as they start.
+NAMED_SETTINGS = ("optim.name", "optim.args", "optim.schedule", "optim.param_groups",
+                  "train.best_metric", "task.name")
+
+
+def check_named_settings(cfg, given: list[str]) -> None:
+    if not any(key.startswith(NAMED_SETTINGS) for key in given):
+        return
+    from ddpkit import recipes
+    from ddpkit.config import SCHEDULE_NAMES, UserError, lookup
+
+    try:
+        recipes.load()
+    except UserError:
+        raise
+    except Exception:  # a file of yours that fails to import: the workers report it in full
+        return
+    from ddpkit import optimizers, schedules, tasks
+
+    optimizers.check_optimizer(cfg)
+    if cfg.optim.schedule not in SCHEDULE_NAMES:
+        schedules.schedule_builder(cfg.optim.schedule)
+    if cfg.optim.param_groups:
+        lookup(optimizers.PARAM_GROUPS, cfg.optim.param_groups, "optim.param_groups",
+               "a parameter-group builder")
+    if cfg.task.name:
+        task = lookup(tasks.TASKS, cfg.task.name, "task.name", "a task")
+        tasks.check_best_metric(cfg.train.best_metric, [task], f"task.name={cfg.task.name}")
+    else:  # the data's own task is known once the data is built: any task's metric here
+        tasks.check_best_metric(cfg.train.best_metric, list(tasks.TASKS.values()), "any task")
+
+
+# What torchrun's c10d rendezvous reads from --rdzv-conf (torch 2.9 to 2.14), and the values
+# it takes: a whole number (seconds, or times), a flag, or one of a few words.
+WHOLE, FLAG = "a whole number, at least 1", "true or false"
+RDZV_KEYS = {**dict.fromkeys(("join_timeout", "last_call_timeout", "close_timeout",
+                              "heartbeat_timeout", "read_timeout", "keep_alive_interval",
+                              "keep_alive_max_attempt"), WHOLE),
+             "is_host": FLAG, "store_type": "tcp or file"}
+FLAG_WORDS = ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n")  # as torchrun reads them
+
+
+def readable_by_torchrun(kind: str, value: str) -> bool:
+    if kind == WHOLE:
+        return value.isdigit() and int(value) > 0
+    if kind == FLAG:
+        return value.lower() in FLAG_WORDS
+    return value in kind.split(" or ")
+
+
+def check_rdzv_conf(text: str) -> list[str]:
+    """RDZV_CONF's key=value pairs: a value torchrun cannot read refuses the launch (torchrun
+    would fail with two chained tracebacks); a key it does not read is a warning, returned (a
+    newer torch may read it)."""
+    warnings = []
+    for pair in filter(None, text.split(",")):
+        key, equals, value = pair.partition("=")
+        if not (equals and key and value):
+            raise Refused(f"RDZV_CONF={text} is not valid: give key=value pairs joined by commas, "
+                          "e.g. RDZV_CONF=last_call_timeout=5")
+        kind = RDZV_KEYS.get(key)
+        if kind is None:
+            close = difflib.get_close_matches(key, RDZV_KEYS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            warnings.append(f"RDZV_CONF: torchrun's c10d rendezvous does not read {key}, so "
+                            f"{key}={value} has no effect{hint}")
+        elif not readable_by_torchrun(kind, value):
+            raise Refused(f"RDZV_CONF: {key}={value} is not valid: {key} must be {kind}")
+    return warnings
+
+
 def preflight(argv: list[str]) -> None:
     options = {"--nproc-per-node": "1", "--nnodes": "1", "--script": "train.py",
-               "--endpoint": "", "--node-rank": ""}
+               "--endpoint": "", "--node-rank": "", "--rdzv-conf": ""}
     while argv and argv[0] in options:
         options[argv[0]], argv = argv[1], argv[2:]
     nproc = int(options["--nproc-per-node"])
     low, _, high = options["--nnodes"].partition(":")
     nodes = range(int(low), int(high or low) + 1)  # an elastic job: any count in MIN..MAX
+    for warning in check_rdzv_conf(options["--rdzv-conf"]):
+        print(f"warning: {warning}", file=sys.stderr)
     check_compiles([*OWN_FILES, options["--script"], *named_files(argv)])
-    from ddpkit.config import UserError, check_batch_divides, load_config
+    from ddpkit.config import UserError, check_batch_divides, given_keys, load_config
 
     training = Path(options["--script"]).name == "train.py"
     try:
@@ -131,6 +212,8 @@ def preflight(argv: list[str]) -> None:
         for count in nodes[:-1] if training else ():
             check_batch_divides(cfg, nproc * count, f" (NNODES={options['--nnodes']}: the job "
                                 f"can shrink to {count} node(s))")
+        if training:
+            check_named_settings(cfg, given_keys(argv))
     except UserError as error:
         raise Refused(str(error)) from None
     check_compiles(named_files([str(cfg.data.dataset), str(cfg.model.name), str(cfg.task.name)]))
@@ -146,6 +229,8 @@ def preflight(argv: list[str]) -> None:
                       f"{gpus}: set NPROC_PER_NODE={gpus} (or use more nodes)")
     if nodes[-1] > 1 and options["--endpoint"]:
         check_rendezvous_port(options["--endpoint"], options["--node-rank"])
+    if training and (problem := replicas.launch_problem()):  # torchft and its lighthouse
+        raise Refused(problem)
 
 
 def main(argv: list[str]) -> int:

@@ -22,27 +22,44 @@ What this module adds to a run:
   digest of the final weights, equal in every group.
 """
 
+from __future__ import annotations
+
+import dataclasses
 import datetime
 import hashlib
+import http.client
+import importlib.util
 import json
 import logging
 import os
+import socket
+import threading
 import time
+import urllib.parse
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch.distributed.tensor import DTensor
+from ddpkit.project import UserError
 
-from ddpkit import dist_utils
-from ddpkit.checkpoint import rng_state, set_rng_state
-from ddpkit.config import UserError
-from ddpkit.dist_utils import DistEnv
+# torch, and the modules of ddpkit that import it, are imported where they are used: run.sh's
+# preflight checks a replica group's launch with this module (launch_problem), in milliseconds.
+if TYPE_CHECKING:
+    import torch
+
+    from ddpkit.dist_utils import DistEnv
 
 log = logging.getLogger("ddp")
 
 GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR = "REPLICA_GROUP", "REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
 MAX_TRIES = 20  # consecutive failed steps before the group gives up (a peer that keeps failing)
+NEEDS_TORCHFT = ("REPLICA_GROUP needs torchft, an optional extra: pip install -e '.[torchft]' "
+                 "(README: \"When a machine is lost\")")
+# How long a launch waits for the lighthouse to answer. One started beside the groups (by a
+# script, or slurm.sbatch on another node) listens only once it has imported torch, a second or
+# more after it starts; an address where none will answer costs no more than this.
+LIGHTHOUSE_WAIT_S = 5.0
+LIGHTHOUSE_PAGE = b"torchft"  # in the dashboard page every lighthouse serves at /
 
 
 def from_environment() -> tuple[int, int] | None:
@@ -60,13 +77,93 @@ def from_environment() -> tuple[int, int] | None:
     return int(group), int(groups)
 
 
+def launch_problem() -> str | None:
+    """What stops this launch as a replica group, in a sentence, before torchrun starts (run.sh's
+    preflight): torchft missing, or no lighthouse at TORCHFT_LIGHTHOUSE. None when nothing does,
+    or the launch is no replica group. Imports neither torch nor torchft."""
+    try:
+        if from_environment() is None:
+            return None
+    except UserError as error:
+        return str(error)
+    if importlib.util.find_spec("torchft") is None:
+        return NEEDS_TORCHFT
+    return lighthouse_problem(os.environ[LIGHTHOUSE_VAR])
+
+
+def lighthouse_problem(address: str, seconds: float = LIGHTHOUSE_WAIT_S) -> str | None:
+    """Why no torchft lighthouse answers at `address`, in a sentence; None when one does. It is
+    asked for its dashboard page (HTTP, beside its gRPC service): torchft's client waits 60 s
+    where nothing answers, and its one cheap call, a heartbeat, would make the lighthouse wait
+    for this probe at the next quorum."""
+    where = f"{LIGHTHOUSE_VAR}={address}"
+    parts = urllib.parse.urlsplit(address)
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or above 65535
+        port = None
+    if parts.scheme != "http" or not parts.hostname or not port or parts.path not in ("", "/"):
+        return (f"{where} is not a lighthouse's address: give it as http://<host>:<port>, "
+                "e.g. http://localhost:29510")
+    verdict = []
+    probe = threading.Thread(daemon=True, target=lambda: verdict.append(
+        _ask_lighthouse(parts.hostname, port, time.monotonic() + seconds)))
+    probe.start()
+    probe.join(seconds + 1)  # past the deadline of its connect and read: a name lookup hangs
+    absent, why = verdict[0] if verdict else (True, f"no answer in {seconds:g} s")
+    if why is None:
+        return None
+    if absent:
+        return (f"no torchft lighthouse at {where} ({why}): start it first (torchft_lighthouse "
+                f"--min_replicas 1 --bind [::]:{port} on {parts.hostname}), or set "
+                f"{LIGHTHOUSE_VAR} to its address (run_replicas.sh starts one and sets it)")
+    return (f"{where} is not a torchft lighthouse ({why}): set {LIGHTHOUSE_VAR} to the "
+            "lighthouse's address, http://<host>:<port>")
+
+
+def _ask_lighthouse(host: str, port: int, deadline: float) -> tuple[bool, str | None]:
+    """(whether nothing is there, why it is no lighthouse: None when it is one)."""
+    connection = http.client.HTTPConnection(host, port)
+    try:
+        while True:
+            connection.timeout = max(deadline - time.monotonic(), 0.01)
+            try:
+                connection.connect()
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() + 0.1 > deadline:
+                    return True, "nothing listens there"
+                time.sleep(0.1)  # a lighthouse that is starting: it listens within seconds
+            except socket.gaierror:
+                return True, f"host {host} not found"
+            except TimeoutError:
+                return True, "the host does not answer"
+            except OSError as error:  # no route to the host, the network down
+                return True, (error.strerror or str(error)).lower()
+        try:
+            connection.request("GET", "/")
+            response = connection.getresponse()
+            page = response.read(1 << 16)
+        except TimeoutError:
+            return False, "the program there sends no answer"
+        except (OSError, http.client.HTTPException):
+            return False, "the program there does not answer as a web server"
+    finally:
+        connection.close()
+    if response.status != 200:
+        return False, f"the program there answers HTTP {response.status} {response.reason}"
+    if LIGHTHOUSE_PAGE not in page:
+        return False, "a web server that is not the lighthouse answers there"
+    return False, None
+
+
 def data_env(env: DistEnv, groups: tuple[int, int] | None) -> DistEnv:
     """The ranks the training data is sharded over: every process of every replica group."""
     if groups is None:
         return env
     group, count = groups
-    return DistEnv(rank=group * env.world_size + env.rank, local_rank=env.local_rank,
-                   world_size=count * env.world_size, launched=True)
+    return dataclasses.replace(env, rank=group * env.world_size + env.rank,
+                               world_size=count * env.world_size, launched=True)
 
 
 class VotedOptimizer:
@@ -77,7 +174,7 @@ class VotedOptimizer:
     OptimizerWrapper does, but saying whether it did. Everything else is the wrapped optimizer's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, replicas: "ReplicaGroups"):
+    def __init__(self, optimizer: torch.optim.Optimizer, replicas: ReplicaGroups):
         self.optimizer, self.replicas, self.committed = optimizer, replicas, True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -88,6 +185,9 @@ class VotedOptimizer:
         """One all-reduce of every gradient, flattened in the parameters' order, which every
         group shares (a DDP bucket's layout is not: a restarted group lays its buckets out
         anew). Each rank's part with FSDP: the groups shard alike."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
         grads = [param.grad for group in self.optimizer.param_groups
                  for param in group["params"] if param.grad is not None]
         local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
@@ -107,28 +207,41 @@ class VotedOptimizer:
         return getattr(self.optimizer, name)
 
 
+def check_setup(env: DistEnv, cfg) -> None:
+    """What replica groups need of a worker's setup, before the run folder is opened (start_run):
+    a mistake is one line, and leaves neither a run folder nor a lock."""
+    try:
+        import torchft  # noqa: F401  (an optional extra)
+    except ImportError:
+        raise UserError(NEEDS_TORCHFT) from None
+    if not env.launched:
+        raise UserError("replica groups need torchrun: launch through run_replicas.sh or "
+                        "run.sh, not python train.py")
+    trackers = [name for name in ("mlflow", "wandb") if cfg.tracking.get(name)]
+    if trackers:  # a tracker run is made before the groups know which one writes
+        raise UserError(f"tracking.{trackers[0]}=true does not go with replica groups yet: "
+                        f"set tracking.{trackers[0]}=false (train_log.jsonl and TensorBoard "
+                        "have the run; a tracker can read them afterwards)")
+    if cfg.train.checkpoint_async:
+        raise UserError("train.checkpoint_async=true does not go with replica groups (the "
+                        "group that writes a checkpoint may change before the write ends): "
+                        "set train.checkpoint_async=false")
+    # run.sh's preflight asked too, but the lighthouse may have gone since (a group that torchrun
+    # restarts), or the launch did not go through run.sh. Rank 0's Manager is the one that
+    # talks to the lighthouse.
+    problem = lighthouse_problem(os.environ[LIGHTHOUSE_VAR]) if env.rank == 0 else None
+    if problem:
+        raise UserError(problem)
+
+
 class ReplicaGroups:
     """This process's part in the replica groups: the torchft Manager (made at `join`, so the
     live groups do not wait on this one while it builds its model), what heals it, the step log."""
 
     def __init__(self, group: int, groups: int, env: DistEnv, device: torch.device, cfg):
-        try:
-            import torchft  # noqa: F401  (an optional extra)
-        except ImportError:
-            raise UserError("REPLICA_GROUP needs torchft, an optional extra: pip install -e "
-                            "'.[torchft]' (README: \"When a machine is lost\")") from None
-        if not env.launched:
-            raise UserError("replica groups need torchrun: launch through run_replicas.sh or "
-                            "run.sh, not python train.py")
-        trackers = [name for name in ("mlflow", "wandb") if cfg.tracking.get(name)]
-        if trackers:  # a tracker run is made before the groups know which one writes
-            raise UserError(f"tracking.{trackers[0]}=true does not go with replica groups yet: "
-                            f"set tracking.{trackers[0]}=false (train_log.jsonl and TensorBoard "
-                            "have the run; a tracker can read them afterwards)")
-        if cfg.train.checkpoint_async:
-            raise UserError("train.checkpoint_async=true does not go with replica groups (the "
-                            "group that writes a checkpoint may change before the write ends): "
-                            "set train.checkpoint_async=false")
+        from ddpkit import dist_utils
+
+        check_setup(env, cfg)
         self.group, self.groups, self.env, self.device = group, groups, env, device
         # torchft's own log says every quorum and each time that a flight recorder it does not
         # have (no NCCL here) could not be reset; this module says what a user needs to know.
@@ -245,6 +358,8 @@ class ReplicaGroups:
     # -- healing: what a live group sends a joining one ----------------------------------------
 
     def _state(self) -> dict:
+        from ddpkit.checkpoint import rng_state
+
         run = self.run
         parts = {name: part.state_dict() for name, part in run.parts().items()
                  if part is not None}
@@ -253,6 +368,8 @@ class ReplicaGroups:
                 "position": [position.step, position.epoch, position.step_in_epoch]}
 
     def _load_state(self, state: dict) -> None:
+        from ddpkit.checkpoint import set_rng_state
+
         run = self.run
         for name, part in run.parts().items():
             if part is not None and name in state["parts"]:
@@ -265,6 +382,8 @@ class ReplicaGroups:
 
 def weights_digest(model: torch.nn.Module) -> str:
     """SHA-256 of the model's parameters and buffers, in order: equal digests, equal weights."""
+    import torch
+
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         if isinstance(tensor, torch.Tensor):

@@ -11,7 +11,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddpkit import checkpoint, dist_utils, flops, optimizers, replicas, trackers, validation
 from ddpkit.checkpoint import Position, RunDir
-from ddpkit.config import SCHEDULE_NAMES, load_config
+from ddpkit.config import (
+    SCHEDULE_NAMES,
+    check_profile_steps,
+    given_keys,
+    inactive_settings,
+    load_config,
+)
 from ddpkit.data import DataModule
 from ddpkit.parallel import build_model, wrap_model
 from ddpkit.resume_settings import apply_changed_settings, refuse_fixed_settings
@@ -21,7 +27,7 @@ from ddpkit.schedules import build_schedule, schedule_builder
 from ddpkit.smoke import smoke_test_config
 from ddpkit.speed import Speed, grad_scaler, resolve_speed
 from ddpkit.speed import describe as describe_speed
-from ddpkit.tasks import Task, build_task
+from ddpkit.tasks import Task, build_task, check_best_metric
 from ddpkit.training_log import TrainingLog
 from ddpkit.utilization import count_flops, peak_flops
 
@@ -41,6 +47,9 @@ def start_run(argv: list[str]) -> Run:
             torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP syncs too)
             data = DataModule(cfg, env, device, train_env)
             task = build_task(cfg, data.splits)
+            check_best_metric(cfg.train.best_metric, [type(task)],
+                              f"the {cfg.task.name or data.splits.task} task")
+            check_profile_steps(cfg, run_length(cfg, data))
             input_shape = task.input_shape(data.first_samples()[0])
             model = build_model(cfg.model, input_shape, task.num_outputs,
                                 task.model_inputs(data.sample_batch()))
@@ -51,6 +60,9 @@ def start_run(argv: list[str]) -> Run:
     except BaseException:
         folder.discard_if_unused()  # a launch that failed before training leaves no folder
         raise
+    if env.is_main and not cfg.train.fast_dev_run:
+        for note in settings_without_effect(cfg, argv, run_length(cfg, data)):
+            log.warning(note)
     # Per-rank seed from here on: dropout masks differ between ranks, as they would between
     # the samples of one big batch on one process.
     torch.manual_seed(cfg.run.seed + train_env.rank)
@@ -102,6 +114,22 @@ def check_optim(cfg: DictConfig) -> None:
         schedule_builder(cfg.optim.schedule)
 
 
+def run_length(cfg: DictConfig, data: DataModule) -> int:
+    """The optimizer steps of the whole run: its epochs, or train.max_steps if fewer."""
+    total = cfg.train.epochs * data.steps_per_epoch
+    return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+
+
+def settings_without_effect(cfg: DictConfig, argv: list[str], total_steps: int) -> list[str]:
+    """One line for each setting given that cannot take effect in this run."""
+    notes = inactive_settings(cfg, given_keys(argv))
+    every = cfg.train.val_every_steps
+    if every and every >= total_steps:
+        notes.append(f"train.val_every_steps={every} has no effect: the run has {total_steps} "
+                     "steps, so it validates only at the end of each epoch")
+    return notes
+
+
 def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> tuple[Path | None, dict | None]:
     """The checkpoint this run resumes (None: a new run) and the config it was written with;
     a changed setting that a resume cannot honour is one line."""
@@ -120,9 +148,7 @@ def assemble(cfg: DictConfig, env: dist_utils.DistEnv, device: torch.device, dat
              resumed: bool) -> Run:
     """The Run at step 0: the model wrapped, its optimizer and schedule, the training log (with
     what its MFU is measured against), the supervisor and the checkpointer."""
-    total_steps = cfg.train.epochs * data.steps_per_epoch
-    if cfg.train.max_steps:
-        total_steps = min(total_steps, cfg.train.max_steps)
+    total_steps = run_length(cfg, data)
     flops_per_sample = count_flops(cfg, data, task, input_shape, model)  # the bare model
     model = wrap_model(model, cfg, env, device, speed)
     with dist_utils.agree_on_errors():  # your param_groups / optimizer / schedule builders

@@ -36,7 +36,10 @@ How an epoch is cut (the *plan*, a pure function of run.seed, the epoch and the 
   is scored once, and the blocks in rank order are the split's order (evaluation.py).
 """
 
+import bisect
 import itertools
+import math
+import os
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -44,6 +47,32 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ddpkit.config import UserError
+
+
+class DataError(UserError):
+    """A data file that is missing or damaged, or data that does not match its counts: a
+    UserError (one line, exit 2) that stays one line when a DataLoader worker raises it.
+
+    PyTorch re-raises a worker's exception in the training process as a new one of the same
+    type, built from a text holding the worker's whole traceback; built from that text, this one
+    takes back the original message (the traceback's last line)."""
+
+    # Raised reading data mid-run, on one rank while the others wait in a collective: that rank
+    # reports it and leaves without them (dist_utils.run_main). Raised while the job is built, it
+    # is agreed on like any UserError (agree_on_errors raises a plain one).
+    raised_alone = True
+
+    def __init__(self, message: str):
+        super().__init__(_original_message(message, type(self).__name__))
+
+
+def _original_message(message: str, name: str) -> str:
+    if message.startswith(f"Caught {name} ") and "\nOriginal Traceback" in message:
+        last_line = message.rstrip().rsplit("\n", 1)[-1]  # "ddpkit.streams.DataError: ..."
+        _, found, original = last_line.partition(f"{name}: ")
+        if found:
+            return original
+    return message
 
 
 class ShardedStream(IterableDataset):
@@ -57,22 +86,32 @@ class ShardedStream(IterableDataset):
     each sample after reading and returns it changed (its randomness: the module's docstring).
     The shards and `read` must be picklable (module-level functions): loader workers get them.
 
+    `check(shard, count)` runs on every shard once, here, when the builder makes the stream
+    (in each process, before any loader worker starts), and raises `DataError` for a shard that
+    is missing or damaged, so that a bad file is one line at start-up and not a traceback
+    mid-epoch. Keep it cheap (sizes and headers, not contents: `check_npy` for .npy files).
+    The default, `check=True`, finds missing local files (LocalShardsExist). False: none.
+
     Iterating it directly gives every sample in shard order (for a look at the data); training
     and evaluation read it through the engine's plan.
     """
 
     def __init__(self, shards: Sequence, read: Callable, counts: Sequence[int] | None = None,
-                 transform: Callable | None = None, shuffle_window: int = 4):
+                 transform: Callable | None = None, shuffle_window: int = 4,
+                 check: Callable | bool = True):
         self.shards, self.read, self.transform = list(shards), read, transform
         if not self.shards:
             raise UserError("a ShardedStream was given no shards: check the folder or pattern "
                             "its builder reads")
+        if counts is not None and len(counts) != len(self.shards):
+            raise _bad_counts(self.shards, counts)
+        # Before counting: reading a missing shard to count it would fail without naming it.
+        _check_shards(LocalShardsExist() if check is True else check, self.shards, counts)
         if counts is None:
             counts = [_count(read(shard)) for shard in self.shards]
         self.counts = np.asarray(counts, dtype=np.int64)
-        if len(self.counts) != len(self.shards) or (self.counts < 0).any():
-            raise UserError(f"a ShardedStream has {len(self.shards)} shards but counts "
-                            f"{list(counts)[:5]}...: give one sample count (>= 0) per shard")
+        if (self.counts < 0).any():
+            raise _bad_counts(self.shards, counts)
         if shuffle_window < 1:
             raise UserError(f"ShardedStream(shuffle_window={shuffle_window}): use 1 or more "
                             "shards")
@@ -88,6 +127,97 @@ class ShardedStream(IterableDataset):
     def head(self, size: int) -> list:
         """The first `size` samples in shard order, untransformed (no random draw)."""
         return list(itertools.islice(iter(self), size))
+
+
+def _check_shards(check: Callable | bool, shards: list, counts: Sequence[int] | None) -> None:
+    if check:
+        for shard, count in zip(shards, [None] * len(shards) if counts is None else counts,
+                                strict=True):
+            check(shard, None if count is None else int(count))
+
+
+def _bad_counts(shards: list, counts: Sequence) -> UserError:
+    return UserError(f"a ShardedStream has {len(shards)} shards but counts "
+                     f"{list(counts)[:5]}...: give one sample count (>= 0) per shard")
+
+
+class LocalShardsExist:
+    """ShardedStream's default check: a shard given as a path to a local folder (a str or
+    os.PathLike with a folder part, not a URL) whose folder exists must name a file or folder
+    there, or begin the names of some (a prefix of several files, as digits_shards' shards are).
+    Other shards (bare names a reader may resolve itself, objects) are not checked. One stat per
+    shard, one listing per folder of prefixes: milliseconds for hundreds of shards."""
+
+    def __init__(self):
+        self.listings: dict[str, list[str]] = {}  # folder -> its entries, sorted
+
+    def __call__(self, shard, count: int | None = None) -> None:
+        if not isinstance(shard, (str, os.PathLike)) or "://" in str(shard):
+            return
+        path = os.fspath(shard)
+        if os.path.exists(path):
+            return
+        folder, name = os.path.split(path)
+        if not folder or not os.path.isdir(folder):  # not a local path we can place
+            return
+        if folder not in self.listings:
+            self.listings[folder] = sorted(os.listdir(folder))
+        entries = self.listings[folder]
+        after = bisect.bisect_left(entries, name)  # the first entry >= name: a prefix match?
+        if after == len(entries) or not entries[after].startswith(name):
+            raise DataError(f"{path} is missing: write the shard again, or leave it out of the "
+                            "ShardedStream's shards")
+
+
+def check_npy(path, rows: int | None = None, fix: str = "write it again") -> tuple[int, ...]:
+    """Check cheaply that `path` is a whole .npy file: it exists, its header reads, and its size
+    is the header's plus the bytes of the array the header declares; given `rows`, that the array
+    has that many rows (its first dimension). Only the header is read (about 128 bytes), so
+    hundreds of files take milliseconds. Returns the array's shape; raises DataError, one line:
+    the file, what is wrong with it, and `fix` (what to do)."""
+    problem, shape = _npy_problem(os.fspath(path))
+    if problem is None and rows is not None and shape[:1] != (rows,):
+        problem = (f"holds {shape[0]} rows where {rows} are expected" if shape
+                   else f"holds a scalar where {rows} rows are expected")
+    if problem:
+        raise DataError(f"{os.fspath(path)} {problem}: {fix}")
+    return shape
+
+
+def _npy_problem(path: str) -> tuple[str | None, tuple[int, ...]]:
+    """What is wrong with a .npy file (None: nothing), and the shape its header declares."""
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size == 0:
+                return "is empty (0 bytes)", ()
+            try:
+                version = np.lib.format.read_magic(handle)
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)  # 2.0, 3.0: same layout
+                shape, _, dtype = read_header(handle)
+            except ValueError:  # no magic string, a header cut short or garbled
+                return "is not a .npy file (bad header: damaged or cut short)", ()
+            expected = handle.tell() + math.prod(shape) * dtype.itemsize
+    except FileNotFoundError:
+        return "is missing", ()
+    except OSError as error:
+        return f"cannot be read ({error.strerror})", ()
+    if not dtype.hasobject and size != expected:  # (an object array's size is not known)
+        return (f"is {size} bytes, but its header (a {shape} {dtype} array) says {expected} "
+                "(cut short or damaged)"), shape
+    return None, shape
+
+
+def load_npy(path, fix: str = "write it again", **options) -> np.ndarray:
+    """np.load(path, **options), but a file it cannot read is a DataError naming the file and
+    what is wrong with it (check_npy), not numpy's message without the file."""
+    try:
+        return np.load(path, **options)
+    except (OSError, ValueError, EOFError) as error:
+        check_npy(path, fix=fix)  # raises, saying what is wrong, for a missing or damaged file
+        reason = " ".join(str(error).split())  # one line
+        raise DataError(f"{os.fspath(path)} cannot be read ({reason}): {fix}") from None
 
 
 def _indexable(rows) -> bool:
@@ -308,11 +438,12 @@ def _read_rows(stream: ShardedStream, shard: int, rows: np.ndarray) -> dict:
 
 
 def _miscounted(stream: ShardedStream, shard: int, found: int) -> UserError:
+    # DataError: raised in a loader worker, it is one line too
     if stream.read is _itself:  # as_stream's one shard: the user's IterableDataset
-        return UserError(f"{type(stream.shards[0]).__name__} yielded {found} samples in a loader "
+        return DataError(f"{type(stream.shards[0]).__name__} yielded {found} samples in a loader "
                          f"worker but its len() is {int(stream.counts[0])}: yield every sample in "
                          "every process and worker (the engine splits the stream; do not split "
                          "it by get_worker_info() yourself)")
-    return UserError(f"shard {stream.shards[shard]!r} holds {found} samples but its "
+    return DataError(f"shard {stream.shards[shard]!r} holds {found} samples but its "
                      f"ShardedStream counts {int(stream.counts[shard])}: fix the counts given "
                      "for it")

@@ -7,11 +7,18 @@
     python sweep.py --optuna 20 optim.lr=loguniform(1e-4,1e-2) model.hidden_dim=128,256
 
 An override with a comma (or a range, for --random) is swept; one without is set in every
-trial. Optuna's samplers draw the plan once, kept in sweep.json: GridSampler the whole grid in
-an order shuffled by --seed (so that the first trials already spread over it), RandomSampler the
---random draws. With --optuna N, TPE picks each trial when a slot is free instead, hears every
-epoch's headline validation value and prunes a trial below the median of the earlier ones at
-that epoch (it gets SIGTERM, saves a checkpoint and leaves); the study is <sweep>/optuna.db.
+trial, unless its key is swept too (commas inside brackets or quotes split nothing:
+optim.milestones=[100,200],[300] sweeps two lists). Optuna's samplers draw the plan once, kept
+in sweep.json: GridSampler the whole grid in an order shuffled by --seed (so that the first
+trials already spread over it), RandomSampler the --random draws. With --optuna N, TPE picks each
+trial when a slot is free instead, hears every epoch's headline validation value and prunes a
+trial below the median of the earlier ones at that epoch (it gets SIGTERM, saves a checkpoint
+and leaves); the study is <sweep>/optuna.db.
+
+Before the sweep folder is made, the options and every trial's command line go through the
+checks its run.sh would make before launch (the config, the global batch over --nproc
+processes on one node, your files compiling; a range stands for its two ends, --random's draws
+for themselves): a mistake is one line naming the trial (or every trial), exit 2, none started.
 
 Each trial runs `./run.sh <its overrides> run.dir=<sweep>/trial-NNN` with --nproc processes
 (default: $NPROC_PER_NODE, else 1): an ordinary run folder, resumable, evaluable, tracked. Here
@@ -30,6 +37,7 @@ one-line error; the others go on. The exit status is 0 when every trial finished
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -42,15 +50,21 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ddpkit import report
-from ddpkit.config import PROJECT_DIR, UserError, schema_type
+from ddpkit.config import PROJECT_DIR, UserError, load_config, schema_type
+from ddpkit.preflight import OWN_FILES, Refused, check_compiles, named_files, preflight
 
 PLAN_FILE = "sweep.json"
 PREEMPTED_EXIT = 75  # as dist_utils.PREEMPTED_EXIT (not imported: it would import torch)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LAUNCH_MARK = "### sweep.py started:"  # heads each launch in a trial's log
 RANGE = re.compile(r"^(uniform|loguniform|int)\((.+),(.+)\)$")
+BRACKETS = {"[": "]", "(": ")", "{": "}"}
+# sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (as the bake's answer).
+SLURM_TIME = re.compile(r"[0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}")
+MAX_SEED = 2**32 - 1  # Optuna's samplers take seeds from 0 to this
 
 
 def _optuna():
@@ -71,6 +85,12 @@ def _parse_range(item: str, key: str, ranged: re.Match, random_search: bool) -> 
     if not random_search:
         raise UserError(f"{item}: a range needs --random N (a grid takes lists: {key}=a,b,c)")
     kind, low, high = ranged.groups()
+    declared = schema_type(key)
+    if declared not in (int, float, Any):  # a draw is a number: a string or a flag takes none
+        raise UserError(f"{item}: {key} is not a number: give it a list of values, "
+                        f"e.g. {key}=a,b")
+    if declared is int and kind != "int":
+        raise UserError(f"{item}: {key} takes whole numbers: use int({low},{high})")
     try:
         low_value, high_value = float(low), float(high)
     except ValueError:
@@ -81,6 +101,26 @@ def _parse_range(item: str, key: str, ranged: re.Match, random_search: bool) -> 
         raise UserError(f"{item}: {key} has no whole number between {low} and {high}: "
                         "widen the range")
     return kind, low_value, high_value
+
+
+def split_values(item: str, value: str) -> list[str]:
+    """The values of `key=a,b,c`, split at the commas outside brackets and quotes, each kept as
+    written: optim.milestones=[100,200],[300] has two values, optim.milestones=[100,200] one."""
+    values, start, closing, quote = [], 0, [], ""
+    for at, char in enumerate(value):
+        if quote or char in "'\"":
+            quote = "" if char == quote else quote or char
+        elif char in BRACKETS:
+            closing.append(BRACKETS[char])
+        elif char in BRACKETS.values() and (not closing or closing.pop() != char):
+            raise UserError(f"{item}: its values do not parse: a {char} closes nothing: "
+                            "check the brackets")
+        elif char == "," and not closing:
+            values.append(value[start:at])
+            start = at + 1
+    if quote or closing:
+        raise UserError(f"{item}: its values do not parse: a {quote or closing[-1]} is missing")
+    return [*values, value[start:]]
 
 
 def parse_space(overrides: list[str], random_search: bool) -> tuple[dict, list[str]]:
@@ -95,15 +135,17 @@ def parse_space(overrides: list[str], random_search: bool) -> tuple[dict, list[s
         if key in ("run.dir", "run.output_dir"):
             raise UserError(f"{key} is set by the sweep for each trial: drop it (use --out)")
         ranged = RANGE.match(value.replace(" ", ""))
-        if ranged:
-            space[key] = _parse_range(item, key, ranged, random_search)
-        elif "," in value:
-            values = value.split(",")
-            if len(set(values)) != len(values) or "" in values:
-                raise UserError(f"{item}: list each value once, separated by commas")
-            space[key] = values
-        else:
+        values = [] if ranged else split_values(item, value)
+        if not ranged and len(values) == 1:
             fixed.append(item)
+            continue
+        # A trial's own settings follow the fixed ones: a list wins over a fixed value of its
+        # key (a command's base overrides may hold one), but of two lists neither would.
+        if key in space:
+            raise UserError(f"{key} is swept twice: give one list of its values")
+        if len(set(values)) != len(values) or "" in values:
+            raise UserError(f"{item}: list each value once, separated by commas")
+        space[key] = _parse_range(item, key, ranged, random_search) if ranged else values
     if not space:
         raise UserError("nothing to sweep: give at least one key a list of values, e.g. "
                         "optim.lr=1e-3,3e-3")
@@ -152,6 +194,13 @@ def trial_id(index: int) -> str:
     return f"trial-{index:03d}"
 
 
+def trial_argv(config_file: str, fixed: list[str], settings: dict) -> list[str]:
+    """A trial's command line but its run folder: its config file, the fixed overrides, then
+    its own settings."""
+    args = [f"--config={config_file}"] if config_file else []
+    return [*args, *fixed, *(f"{key}={value}" for key, value in settings.items())]
+
+
 @dataclass
 class Sweep:
     folder: Path
@@ -163,8 +212,7 @@ class Sweep:
     drawn_from: dict = field(default_factory=dict)  # grid / random: the space, --random, --seed
 
     def overrides(self, index: int) -> list[str]:
-        args = [f"--config={self.config_file}"] if self.config_file else []
-        return [*args, *self.fixed, *(f"{k}={v}" for k, v in self.trials[index].items()),
+        return [*trial_argv(self.config_file, self.fixed, self.trials[index]),
                 f"run.dir={self.run_dir(index)}"]
 
     def run_dir(self, index: int) -> Path:
@@ -204,9 +252,11 @@ class Sweep:
                    plan.get("pruned", []), plan.get("drawn_from", {}))
 
 
-def open_sweep(args, space: dict, fixed: list[str], drawn_from: dict) -> Sweep:
-    """The sweep folder: created with its plan (trials drawn by plan_trials when `drawn_from`
-    is given, none yet for Optuna), or found again, when the command's settings must match."""
+def open_sweep(args, space: dict, fixed: list[str], drawn_from: dict,
+               planned: list[dict] | None = None) -> Sweep:
+    """The sweep folder: created with its plan (`planned`, or trials drawn by plan_trials when
+    `drawn_from` is given, none yet for Optuna), or found again, when the command's settings
+    must match."""
     wanted = Sweep(args.out / args.name, [], fixed, args.nproc, args.config or "",
                    drawn_from=drawn_from)
     if (wanted.folder / PLAN_FILE).is_file():
@@ -216,9 +266,75 @@ def open_sweep(args, space: dict, fixed: list[str], drawn_from: dict) -> Sweep:
                             "command to continue it, or choose another --name")
         return found
     if drawn_from:
-        wanted.trials = plan_trials(space, args.random, args.seed)
+        wanted.trials = planned if planned is not None else plan_trials(
+            space, args.random, args.seed)
     wanted.save()
     return wanted
+
+
+# --- what every trial's run.sh would refuse, found before the first launch --------------------
+
+def checked_settings(space: dict) -> list[dict]:
+    """The swept settings to check: every combination of each key's values, a range standing
+    for its two ends (written as a draw is), which the checks' bounds hold for if they hold at
+    both. A grid's are its trials."""
+    values = {key: spec if isinstance(spec, list) else list(dict.fromkeys(_ends(spec)))
+              for key, spec in space.items()}
+    return [dict(zip(values, combination, strict=True))
+            for combination in itertools.product(*values.values())]
+
+
+def _ends(spec: tuple) -> list[str]:
+    kind, low, high = spec
+    if kind == "int":
+        return [str(math.ceil(low)), str(math.floor(high))]
+    return [f"{low:.4g}", f"{high:.4g}"]
+
+
+def trial_problem(args, argv: list[str]) -> str | None:
+    """What a trial's preflight would refuse (None: nothing): on this machine run.sh's own
+    checks; for a SLURM array, whose trials run elsewhere, those that do not ask the machine
+    (the config, the batch split over --nproc processes on one node, the named files)."""
+    try:
+        if not args.slurm:
+            preflight(["--nproc-per-node", str(args.nproc), "--nnodes", "1", *argv])
+            return None
+        cfg = load_config(argv, world_size=args.nproc)
+        check_compiles(named_files([*argv, str(cfg.data.dataset), str(cfg.model.name),
+                                    str(cfg.task.name)]))
+    except (UserError, Refused) as error:
+        return str(error)
+    return None
+
+
+def check_trials(args, fixed: list[str], trials: list[dict]) -> None:
+    """Each trial's command line through trial_problem: one line, naming the first trial that
+    would be refused, or none when every trial would be, alike (the fix is then a fixed
+    override, the config file or --nproc)."""
+    problems = [(settings, problem) for settings in trials
+                if (problem := trial_problem(args, trial_argv(args.config, fixed, settings)))]
+    if not problems:
+        return
+    settings, problem = problems[0]
+    if len(problems) == len(trials) and len({problem for _, problem in problems}) == 1:
+        raise UserError(f"every trial: {problem}")
+    raise UserError(f"trial {' '.join(f'{k}={v}' for k, v in settings.items())}: {problem}")
+
+
+def check_sweep(args, space: dict, fixed: list[str]) -> list[str]:
+    """Everything a trial's launch would refuse, checked once before the sweep folder exists:
+    the GPUs for --nproc, your files compiling, every trial's config (checked_settings). Returns
+    the GPUs the trials are packed onto (none for --slurm)."""
+    devices = [] if args.slurm else chosen_devices(args)
+    check_devices(args.nproc, devices)
+    listed = [f"{key}={value}" for key, spec in space.items() if isinstance(spec, list)
+              for value in spec]
+    try:
+        check_compiles([*OWN_FILES, "train.py", *named_files([*fixed, *listed])])
+    except Refused as error:
+        raise UserError(str(error)) from None
+    check_trials(args, fixed, checked_settings(space))
+    return devices
 
 
 # --- running trials on one machine -------------------------------------------------------------
@@ -233,6 +349,12 @@ def visible_devices() -> list[str]:
     return [str(i) for i in range(visible_gpus())]
 
 
+def check_devices(nproc: int, devices: list[str]) -> None:
+    if devices and nproc > len(devices):
+        raise UserError(f"a trial of {nproc} processes needs {nproc} GPUs and {len(devices)} "
+                        f"are visible: use --nproc {len(devices)} or fewer")
+
+
 def run_packed(trials, nproc: int, devices: list[str], start, wait_step=None,
                max_parallel: int = 0, watch=None, ended=None) -> dict[int, int]:
     """Run trials, as many at once as the devices allow (one at a time with none).
@@ -242,9 +364,7 @@ def run_packed(trials, nproc: int, devices: list[str], start, wait_step=None,
     and returns something with poll() (a Popen); watch(index, process) is called while it runs,
     ended(index, status) once it has ended; wait_step() between polls (default: a short sleep).
     Returns each trial's exit status."""
-    if devices and nproc > len(devices):
-        raise UserError(f"a trial of {nproc} processes needs {nproc} GPUs and {len(devices)} "
-                        f"are visible: use --nproc {len(devices)} or fewer")
+    check_devices(nproc, devices)
     if isinstance(trials, list):
         trials = functools.partial(next, iter(list(trials)), None)
     free, running, statuses = list(devices), {}, {}  # each GPU to one trial at a time
@@ -281,10 +401,14 @@ def error_line(log_file: Path) -> str:
 
 
 def start_trial(sweep: Sweep, index: int, devices: list[str], threads: int) -> subprocess.Popen:
-    env = dict(os.environ, NPROC_PER_NODE=str(sweep.nproc), OMP_NUM_THREADS=str(threads))
+    # Each trial a job of its own, on this machine alone (an exported NNODES, or a project
+    # baked for several nodes, would have its run.sh wait for other nodes).
+    env = dict(os.environ, NPROC_PER_NODE=str(sweep.nproc), OMP_NUM_THREADS=str(threads),
+               NNODES="1")
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-    for name in ("RDZV_ID", "SLURM_JOB_ID", "DDP_JOB_ID"):  # each trial a job of its own
+    for name in ("RDZV_ID", "SLURM_JOB_ID", "DDP_JOB_ID", "REPLICA_GROUP", "REPLICA_GROUPS",
+                 "TORCHFT_LIGHTHOUSE"):
         env.pop(name, None)
     log_file = sweep.log_file(index)
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -443,17 +567,15 @@ def submit_array(sweep: Sweep, args) -> int:
 
 # --- Optuna ------------------------------------------------------------------------------------
 
-def task_direction(sweep: Sweep) -> str:
+def task_direction(config_file: str, fixed: list[str]) -> str:
     """maximize or minimize: what the task's headline metric wants (the data is built to know
     the task, as training does)."""
     from ddpkit import recipes
-    from ddpkit.config import load_config
     from ddpkit.data import build_splits
     from ddpkit.tasks import build_task
 
     recipes.load()  # the dataset and task may be yours
-    argv = ([f"--config={sweep.config_file}"] if sweep.config_file else []) + sweep.fixed
-    cfg = load_config(argv)
+    cfg = load_config(trial_argv(config_file, fixed, {}))
     task = build_task(cfg, build_splits(cfg))
     return "maximize" if task.higher_is_better else "minimize"
 
@@ -550,6 +672,16 @@ class OptunaSearch:
                   + " ".join(f"{k}={v}" for k, v in best.params.items()), flush=True)
 
 
+def check_storage(storage: str) -> None:
+    """That the study's --storage opens, before the sweep folder exists."""
+    try:
+        _optuna().storages.RDBStorage(storage)
+    except Exception as error:  # sqlalchemy's own errors, or an ImportError for a missing driver
+        raise UserError(f"--storage {storage} does not open: "
+                        f"{str(error).splitlines()[0].rstrip('.')}: give a database URL, e.g. "
+                        "sqlite:///runs/sweeps/study.db") from None
+
+
 def run_optuna(sweep: Sweep, space: dict, n_trials: int, devices: list[str], storage: str,
                direction: str, seed: int = 0, start=None, wait_step=None,
                prune_after: int = 2) -> None:
@@ -636,8 +768,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "same name continues a sweep")
     parser.add_argument("--out", type=Path, default=Path("runs/sweeps"),
                         help="folder of sweep folders (default runs/sweeps)")
-    parser.add_argument("--nproc", type=int, default=int(os.environ.get("NPROC_PER_NODE", 1)),
-                        help="processes (GPUs) per trial")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes (GPUs) per trial (default: $NPROC_PER_NODE, else 1)")
     parser.add_argument("--config", default="", help="config file for every trial")
     parser.add_argument("--random", type=int, default=0, metavar="N",
                         help="N random draws instead of the whole grid")
@@ -667,14 +799,55 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """One line on what is wrong with the command line, before anything is written."""
+    if args.nproc is None:
+        found = os.environ.get("NPROC_PER_NODE", "1")
+        if not found.isdigit() or int(found) < 1:
+            raise UserError(f"NPROC_PER_NODE={found} is not valid: give the processes per "
+                            "trial, at least 1, with --nproc N")
+        args.nproc = int(found)
     for option in ("random", "optuna"):
         if getattr(args, option) < 0:
             raise UserError(f"--{option} {getattr(args, option)} is not valid: a number of "
                             "trials, >= 1")
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc} is not valid: at least 1 process per trial")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise UserError(f"--seed {args.seed} is not valid: it must be between 0 and {MAX_SEED}")
+    if args.max_parallel < 0:
+        raise UserError(f"--max-parallel {args.max_parallel} is not valid: at least 1 trial "
+                        "at once, or 0 for as many as the GPUs allow")
     if args.optuna and (args.slurm or args.random):
         raise UserError("--optuna chooses the trials itself: drop --slurm / --random")
+    if not args.optuna:
+        given = [option for option, value in (("--storage", args.storage),
+                                              ("--direction", args.direction != "auto")) if value]
+        _only_with(given, "an Optuna study: add --optuna N")
+    check_slurm_args(args)
+
+
+def _only_with(given: list[str], what: str) -> None:
+    """Options given where they would do nothing: one line naming them."""
+    if given:
+        one = len(given) == 1
+        raise UserError(f"{' and '.join(given)} {'is' if one else 'are'} for {what}, or drop "
+                        f"{'it' if one else 'them'}")
+
+
+def check_slurm_args(args) -> None:
+    """The options of a SLURM array, given without --slurm (they would do nothing) or wrong."""
+    if not args.slurm:
+        _only_with([option for option, value in (
+            ("--time", args.time), ("--dry-run", args.dry_run),
+            ("--cpus-per-task", args.cpus_per_task)) if value], "a SLURM job array: add --slurm")
+    if args.slurm and args.gpus is not None:
+        raise UserError("--gpus picks GPUs of this machine, and --slurm runs the trials on "
+                        "the cluster's (--nproc each): drop --gpus")
+    if args.time and not SLURM_TIME.fullmatch(args.time):
+        raise UserError(f"--time {args.time} is not valid: give minutes, HH:MM:SS or "
+                        "D-HH:MM:SS (also MM:SS, D-HH, D-HH:MM), e.g. 12:00:00")
+    if args.cpus_per_task < 0:
+        raise UserError(f"--cpus-per-task {args.cpus_per_task} is not valid: at least 1, or 0 "
+                        "for slurm.sbatch's")
     if args.slurm and not (PROJECT_DIR / "slurm.sbatch").is_file():
         raise UserError("--slurm runs each trial through slurm.sbatch, which this project was "
                         "baked without (scheduler=none): bake it with scheduler=slurm, or drop "
@@ -685,17 +858,24 @@ def chosen_devices(args) -> list[str]:
     """--gpus, else the GPUs this process sees."""
     if args.gpus is None:
         return visible_devices()
-    return [device for device in args.gpus.split(",") if device.strip()]
+    devices = [device.strip() for device in args.gpus.split(",") if device.strip()]
+    if len(set(devices)) != len(devices):  # two trials would share a GPU
+        raise UserError(f"--gpus {args.gpus} names a GPU twice: name each once")
+    return devices
 
 
 def optuna_main(args) -> int:
     space, fixed = parse_space(args.overrides, random_search=True)
+    devices = check_sweep(args, space, fixed)
+    if args.storage:
+        check_storage(args.storage)
+    direction = (task_direction(args.config, fixed) if args.direction == "auto"
+                 else args.direction)
     sweep = open_sweep(args, space, fixed, drawn_from={})
-    direction = task_direction(sweep) if args.direction == "auto" else args.direction
     storage = args.storage or f"sqlite:///{sweep.folder / 'optuna.db'}"
     print(f"sweep {sweep.folder}: Optuna, {args.optuna} trial(s), {direction} the validation "
           f"metric, study in {storage}", flush=True)
-    run_optuna(sweep, space, args.optuna, chosen_devices(args), storage, direction, args.seed)
+    run_optuna(sweep, space, args.optuna, devices, storage, direction, args.seed)
     return write_summary(sweep)
 
 
@@ -703,12 +883,18 @@ def sweep_main(args) -> int:
     if args.optuna:
         return optuna_main(args)
     space, fixed = parse_space(args.overrides, bool(args.random))
+    devices = check_sweep(args, space, fixed)
+    planned = None  # a sweep run before has its plan (checked when it was drawn)
+    if not (args.out / args.name / PLAN_FILE).is_file():
+        planned = plan_trials(space, args.random, args.seed)
+    if planned and args.random:
+        check_trials(args, fixed, planned)  # the draws themselves: a whole-number range's inside
     drawn_from = {"space": {key: list(spec) for key, spec in space.items()},
                   "random": args.random, "seed": args.seed}
-    sweep = open_sweep(args, space, fixed, drawn_from)
+    sweep = open_sweep(args, space, fixed, drawn_from, planned)
     if args.slurm:
         return submit_array(sweep, args)
-    run_local(sweep, chosen_devices(args), args.max_parallel)
+    run_local(sweep, devices, args.max_parallel)
     return write_summary(sweep)
 
 

@@ -33,6 +33,7 @@ process count and batch split, which a model's loss (a mean over a padded batch,
 be. To change any of that, subclass a task in tasks.py and register it there.
 """
 
+import difflib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -50,6 +51,10 @@ class Task:
     """The interface the trainer and the evaluation use; subclasses fill in the rest."""
 
     headline = "loss"  # the metric that ranks runs and checkpoints
+    # The metrics a validation gives besides `loss` (and a dict loss's `loss_<term>`): declared,
+    # a typo in train.best_metric is refused before training starts; None: found at the first
+    # validation.
+    metric_names: tuple[str, ...] | None = None
     higher_is_better = False
     output_key = "logits"  # what to read from a model that returns a dict
     target_key = "target"  # what to read from a batch that is a dict
@@ -158,6 +163,7 @@ def _pyplot():
 
 class MulticlassTask(Task):
     headline = "accuracy"
+    metric_names = ("accuracy", "average_precision_macro")
     higher_is_better = True
 
     def __init__(self, cfg: DictConfig, splits: Splits, eval_cfg: DictConfig | None = None):
@@ -290,6 +296,8 @@ def _tensorboard_curve(writer, tag: str, curve: dict, step: int, positives: int,
 
 class BinaryTask(Task):
     headline = "average_precision"
+    metric_names = ("average_precision", "roc_auc", "precision", "recall", "f1", "accuracy",
+                    "threshold")
     higher_is_better = True
     needs_reference = True  # the decision threshold of a test split is chosen on val
 
@@ -395,6 +403,7 @@ class BinaryTask(Task):
 
 class RegressionTask(Task):
     headline = "rmse"
+    metric_names = ("mae", "rmse", "r2")
     higher_is_better = False
 
     def __init__(self, cfg: DictConfig, splits: Splits, eval_cfg: DictConfig | None = None):
@@ -442,6 +451,21 @@ class RegressionTask(Task):
 # Task classes take the `task` config section, the dataset's Splits and the `eval` section.
 # Yours are added in tasks.py (or named on the command line as module:Class).
 TASKS = {"multiclass": MulticlassTask, "binary": BinaryTask, "regression": RegressionTask}
+
+
+def check_best_metric(metric: str, tasks: list[type[Task]], where: str) -> None:
+    """train.best_metric, when given, is a validation metric of one of `tasks` (the run's, or
+    every registered one when the data's own task is not known yet); tasks that declare no
+    metric_names accept any."""
+    if not metric or any(task.metric_names is None for task in tasks):
+        return
+    names = ["loss", *dict.fromkeys(name for task in tasks for name in task.metric_names)]
+    if metric in names or metric.startswith("loss_"):  # a dict loss logs each term
+        return
+    close = difflib.get_close_matches(metric, names, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    raise UserError(f"train.best_metric={metric} is not a validation metric of {where}: choose "
+                    f"one of {', '.join(names)}{hint}")
 
 
 def build_task(cfg: DictConfig, splits: Splits) -> Task:

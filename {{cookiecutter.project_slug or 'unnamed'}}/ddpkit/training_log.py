@@ -50,12 +50,23 @@ log = logging.getLogger("ddp")
 
 
 def _keep_records(path: Path, keep) -> None:
-    """Rewrite a JSON-lines file with only the records `keep` accepts (atomically)."""
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines() if keep(json.loads(line))]
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in lines))
-        tmp.replace(path)
+    """Rewrite a JSON-lines file with only the records `keep` accepts (atomically). A line that
+    is not a whole record (cut short by a killed job or a full disk) is left out, with one line."""
+    if not path.exists():
+        return
+    lines, damaged = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            if keep(json.loads(line)):
+                lines.append(line)
+        except (ValueError, KeyError, TypeError):  # not JSON, or not one of this log's records
+            damaged += 1
+    if damaged:
+        log.warning("%s: left out %d line(s) that are not whole records (cut short when a job "
+                    "was killed?)", path, damaged)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in lines))
+    tmp.replace(path)
 
 
 class Writer:

@@ -1,7 +1,8 @@
 """Checkpoints that are checked before they are read: each holds a manifest of its files' sizes
 and checksums; a damaged one is skipped by resume=auto (one line) and refused when named (one
-line, exit 2); one without a manifest (an older version's) still loads, with one line; and a
-checkpoint being read by evaluate.py or export.py is not pruned under it."""
+line, exit 2), a lost manifest or state.pt included; one of an older version, which wrote no
+manifest, still loads, with one line; and a checkpoint being read by evaluate.py or export.py is
+not pruned under it."""
 
 import json
 import os
@@ -75,10 +76,56 @@ def test_a_damaged_checkpoint_named_to_resume_is_one_line_and_exit_2(trained, tm
 
 
 @pytest.mark.slow
+def test_a_checkpoint_that_lost_its_manifest_is_skipped_not_trained_on(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    newest = run_dir / "checkpoints" / "step-00000019"
+    (newest / MANIFEST_FILE).unlink()
+    damage(newest / "__0_0.distcp")
+    with open(run_dir / "train_log.jsonl", "a") as log:  # and a line cut short by a kill
+        log.write('{"step": 20, "lo')
+    result = run([sys.executable, "train.py", *ARGS, "train.epochs=2", f"run.dir={run_dir}"])
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.count("step-00000019 is damaged (manifest.json: missing); resuming "
+                               "from step-00000014") == 1, result.stdout
+    assert f"resumed from {run_dir}/checkpoints/step-00000014: step 14," in result.stdout
+    assert f"{run_dir}/train_log.jsonl: left out 1 line(s) that are not whole records" in (
+        result.stdout)
+    steps = [json.loads(line)["step"] for line in (run_dir / "train_log.jsonl").open()]
+    assert steps == sorted(steps) and steps[-1] == 38
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_its_state_file_gives_way_to_the_newest_intact_one(trained,
+                                                                               tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    newest = run_dir / "checkpoints" / "step-00000019"
+    (newest / "state.pt").unlink()
+    named = run([sys.executable, "export.py", str(newest), str(tmp_path / "model.pt")])
+    assert named.returncode == 2, named.stdout
+    assert named.stdout.strip().splitlines() == [
+        f"error: cannot load checkpoint {newest}: state.pt is missing: give an earlier "
+        "checkpoint of the run, or its run folder to use the newest intact one, or copy this one "
+        "again from where it came from"]
+    result = run([sys.executable, "train.py", *ARGS, "train.epochs=2", f"run.dir={run_dir}"])
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.count("step-00000019 is damaged (state.pt: missing); resuming from "
+                               "step-00000014") == 1, result.stdout
+    assert "deleted" not in result.stdout
+
+
+def without_format_version(folder: Path) -> None:
+    """A checkpoint as an older version wrote it: no manifest, no format_version."""
+    (folder / MANIFEST_FILE).unlink()
+    state = torch.load(folder / "state.pt", weights_only=True)
+    del state["format_version"]
+    torch.save(state, folder / "state.pt")
+
+
+@pytest.mark.slow
 def test_a_checkpoint_of_an_older_version_without_manifest_loads_with_one_line(trained, tmp_path):
     run_dir = copy_of(trained, tmp_path)
     for saved in list_checkpoints(run_dir / "checkpoints"):
-        (saved / MANIFEST_FILE).unlink()
+        without_format_version(saved)
     result = run([sys.executable, "train.py", *ARGS, "train.epochs=2", f"run.dir={run_dir}"])
     assert result.returncode == 0, result.stdout
     assert result.stdout.count("could not be verified") == 1, result.stdout
@@ -125,13 +172,17 @@ def test_verification_names_the_file_that_differs(tmp_path):
     with pytest.raises(UserError, match=rf"\({len(good) - 1} bytes, {len(good)} in its manif"):
         verified(folder)
     shard.unlink()
-    with pytest.raises(UserError, match=r"__0_0.distcp is damaged \(missing\)"):
+    with pytest.raises(UserError, match=r"__0_0.distcp is missing"):
         verified(folder)
     (folder / MANIFEST_FILE).write_text("{")
     with pytest.raises(UserError, match=r"manifest.json is damaged \(unreadable\)"):
         verified(folder)
     (folder / MANIFEST_FILE).unlink()
-    assert not verified(folder)  # no manifest: loads, unverified
+    assert not verified(folder)  # no manifest, of a format without one: loads, unverified
+    state = torch.load(folder / "state.pt", weights_only=True)
+    torch.save({**state, "format_version": checkpoint.FORMAT_VERSION}, folder / "state.pt")
+    with pytest.raises(UserError, match=r"manifest.json is missing"):
+        verified(folder)  # of a format that always has one: it was lost
 
 
 def a_run(root: Path, *steps: int) -> Path:

@@ -200,6 +200,34 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(small_disk):
     assert list((small_disk / "run" / "checkpoints").glob(".*")) == []  # no partial folder
 
 
+@pytest.mark.slow
+def test_a_disk_full_at_the_start_is_one_line_and_leaves_no_lock(small_disk):
+    subprocess.run(["dd", "if=/dev/zero", f"of={small_disk / 'filler'}", "bs=64k"],
+                   capture_output=True, check=False)  # until the disk is full
+    result = run(["./run.sh", *TINY, f"run.dir={small_disk / 'run'}"], NPROC_PER_NODE="2")
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.strip().splitlines() == [
+        f"error: cannot write {small_disk / 'run' / '.lock'}: No space left on device (0.0 MB "
+        f"free in {small_disk / 'run'}); free space there or set run.output_dir / run.dir to a "
+        "larger disk, then rerun to resume"]
+    assert [path.name for path in small_disk.iterdir()] == ["filler"]
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_at_the_manifest_says_the_space_there_was(small_disk):
+    result = run(["./run.sh", "tests/fill_disk_at_manifest.py", *TINY, "train.ckpt_every=5",
+                  "train.keep_checkpoints=0", f"run.dir={small_disk / 'run'}"],
+                 NPROC_PER_NODE="2", FILL_AT_STEP="10", FILL_DIR=str(small_disk))
+    assert result.returncode == 2, result.stdout
+    errors = [line for line in result.stdout.splitlines() if "error" in line]
+    folder = small_disk / "run" / "checkpoints"
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: cannot write {folder / 'step-00000010'}: No space left on device (0.0 MB free "
+        f"in {folder}, about "), result.stdout
+    assert [path.name for path in list_checkpoints(folder)] == ["step-00000005"]
+    assert read_model(folder / "step-00000005") and list(folder.glob(".*")) == []
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [({"RANK": "1"}, "RANK is set but RANK, LOCAL_RANK and WORLD_SIZE are not all whole numbers"),

@@ -91,6 +91,10 @@ JOB = dict(NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", RDZV_ID="bad-input")
                          "least 1, or a range MIN:MAX such as 1:4"),
     (dict(NNODES="1:2", RDZV_CONF="last_call_timeout"), "RDZV_CONF=last_call_timeout is not "
      "valid: give key=value pairs joined by commas, e.g. RDZV_CONF=last_call_timeout=5"),
+    (dict(NNODES="1:2", RDZV_CONF="last_call_timeout=abc"), "RDZV_CONF: last_call_timeout=abc "
+     "is not valid: last_call_timeout must be a whole number, at least 1"),
+    (dict(NNODES="1:2", RDZV_CONF="is_host=maybe"), "RDZV_CONF: is_host=maybe is not valid: "
+     "is_host must be true or false"),
     # 12 divides by 6 processes but not by the 5 the job can shrink to
     (dict(NNODES="5:6", MASTER_PORT="1"), "train.global_batch_size=12 does not divide by the 5 "
      "processes (NNODES=5:6: the job can shrink to 5 node(s)): use a multiple of 5, e.g. "

@@ -1,5 +1,6 @@
-"""Sweeps: the plan, the packing of trials onto GPUs (a scheduler test with pretend devices), and a
-real 4-trial grid of 2-process runs with one bad trial, rerun, summarised and reported."""
+"""Sweeps: the plan, the packing of trials onto GPUs (a scheduler test with pretend devices), the
+checks of every trial before the first launch, and a real 4-trial grid of 2-process runs with one
+trial that fails in training, rerun, summarised and reported."""
 
 import argparse
 import csv
@@ -13,7 +14,7 @@ import pytest
 from test_evaluate_faults import left_in
 from test_faults import descendants, finish, logged_steps, wait_for
 
-from conftest import PROJECT, TINY, command_env, run
+from conftest import PROJECT, TINY, command_env, fixture, run
 from ddpkit import sweep
 from ddpkit.config import UserError
 
@@ -84,38 +85,53 @@ def test_the_plan_grid_random_and_bad_input():
         (["optim.lr=1e-3,1e-3"], False, "each value once"),
         (["run.dir=a,b"], False, "set by the sweep"),
         (["train.epochs=int(2.5,2.9)"], True, "train.epochs has no whole number"),
+        (["optim.lr=1e-3,2e-3", "optim.lr=3e-3,4e-3"], False,
+         "optim.lr is swept twice: give one list of its values"),
+        (["optim.milestones=[100,200],[300"], False, r"do not parse: a \] is missing"),
+        (["optim.milestones=[100],200]"], False, r"do not parse: a \] closes nothing"),
+        (["train.epochs=uniform(1,3)"], True, r"train.epochs takes whole numbers: use int\(1,3\)"),
+        (["optim.name=uniform(1,3)"], True, "optim.name is not a number: give it a list"),
     ]:
         with pytest.raises(UserError, match=message):
             sweep.parse_space(overrides, random_search)
+    # Commas inside brackets or quotes separate no values; a list wins over a fixed value.
+    space, fixed = sweep.parse_space(["optim.milestones=[100,200],[300]", "run.name='a,b'",
+                                      "optim.lr=1e-3,2e-3", "optim.lr=3e-3"], random_search=False)
+    assert space == {"optim.milestones": ["[100,200]", "[300]"], "optim.lr": ["1e-3", "2e-3"]}
+    assert fixed == ["run.name='a,b'", "optim.lr=3e-3"]
 
 
 @pytest.mark.slow
 def test_a_grid_of_two_process_trials_survives_a_bad_one_reruns_it_alone_and_ranks(tmp_path):
     import matplotlib.image
 
-    # 16 does not divide by 2 processes x 3 accumulation steps: that one trial fails at launch.
+    # The built-in cnn takes images only: on vectors that one trial passes the checks before
+    # launch (the data's shape is known once it is built) and fails as training builds the
+    # model. The lists win over TINY's model and data. NNODES=2 is the sweep's environment (or a
+    # bake's default), not its trials': each runs on this machine alone.
+    vectors, images = fixture("vectors"), fixture("images")
     command = [sys.executable, "sweep.py", "--name", "grid", "--out", str(tmp_path), "--nproc",
-               "2", "--gpus", "", "train.global_batch_size=12,16", "train.grad_accum_steps=1,3",
-               *TINY, "train.epochs=1", "train.plot_curves=true"]
-    first = run(command, timeout=600)
+               "2", "--gpus", "", *TINY, f"model.name={fixture('mlp')},cnn",
+               f"data.dataset={vectors},{images}", "model.channels=8", "train.epochs=1",
+               "train.plot_curves=true"]
+    first = run(command, timeout=600, NNODES="2")
     assert first.returncode == 1, first.stdout
     folder = tmp_path / "grid"
     # The grid's order is Optuna's GridSampler's, shuffled by --seed: the plan names the bad one.
     plan = json.loads((folder / "sweep.json").read_text())["trials"]
-    assert sorted(tuple(t.values()) for t in plan) == [("12", "1"), ("12", "3"), ("16", "1"),
-                                                       ("16", "3")]
-    bad = sweep.trial_id(plan.index({"train.global_batch_size": "16",
-                                     "train.grad_accum_steps": "3"}))
+    assert sorted(tuple(t.values()) for t in plan) == [
+        ("cnn", images), ("cnn", vectors), (fixture("mlp"), images), (fixture("mlp"), vectors)]
+    bad = sweep.trial_id(plan.index({"model.name": "cnn", "data.dataset": vectors}))
     good = sorted({sweep.trial_id(index) for index in range(4)} - {bad})
     failed = [line for line in first.stdout.splitlines() if " failed (exit" in line]
-    assert len(failed) == 1 and failed[0].startswith(f"{bad} failed (exit 2): error: "
-                                                     "train.global_batch_size=16 does not divide")
+    assert len(failed) == 1 and failed[0].startswith(
+        f"{bad} failed (exit 2): error: model.name=cnn needs images"), failed
     for trial in good:
         assert json.loads((folder / trial / "summary.json").read_text())["status"] == "done"
         assert f"{trial} finished: val_accuracy " in first.stdout, first.stdout
     assert not (folder / bad).exists()  # a launch that failed leaves no run folder
 
-    again = run(command, timeout=600)
+    again = run(command, timeout=600, NNODES="2")
     assert again.returncode == 1 and "3 finished before, 1 to run" in again.stdout, again.stdout
     launches = {path.stem: path.read_text().count(sweep.LAUNCH_MARK)
                 for path in (folder / "logs").iterdir()}
@@ -127,7 +143,7 @@ def test_a_grid_of_two_process_trials_survives_a_bad_one_reruns_it_alone_and_ran
     assert rows[3]["trial"] == bad
     best = [float(row["best"]) for row in rows[:3]]
     assert best == sorted(best, reverse=True) and rows[0]["metric"] == "val_accuracy"
-    assert "does not divide" in rows[3]["error"]
+    assert "model.name=cnn needs images" in rows[3]["error"]
     assert (folder / "summary.md").read_text().count("| trial-") == 4
     assert matplotlib.image.imread(folder / "summary.png").shape[0] > 100
     trials_are_ordinary_runs(folder, good, rows, tmp_path / "report")
@@ -168,6 +184,74 @@ def test_bad_numbers_of_trials_and_empty_ranges_are_one_line(tmp_path):
         assert result.returncode == 2 and len(lines) == 1, result.stdout
         assert lines[0].startswith("error: ") and message in lines[0], lines
     assert list(tmp_path.iterdir()) == []  # no sweep folder
+
+
+def refusal(tmp_path, *args: str, **env: str) -> str:
+    """The one line of a sweep.py that refuses before its first trial: exit 2, no traceback,
+    no sweep folder (nor --out)."""
+    out = tmp_path / "sweeps"
+    result = run([sys.executable, "sweep.py", "--out", str(out), "--gpus", "", *args],
+                 timeout=120, **env)
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stdout
+    assert not out.exists(), sorted(out.rglob("*"))
+    return lines[0]
+
+
+def test_a_sweep_with_a_trial_that_would_be_refused_starts_none(tmp_path):
+    # 64 (the default global batch) does not divide by 3 processes, in any trial: the line
+    # says so once, about every trial.
+    assert refusal(tmp_path, "--nproc", "3", "optim.lr=1e-3,2e-3") == (
+        "error: every trial: train.global_batch_size=64 does not divide by the 3 processes: use "
+        "a multiple of 3, e.g. train.global_batch_size=63")
+    # One trial of four: its settings are named (the other three would have run).
+    assert refusal(tmp_path, "--nproc", "2", *TINY, "train.max_steps=1",
+                   "train.global_batch_size=12,16", "train.grad_accum_steps=1,3") == (
+        "error: trial train.global_batch_size=16 train.grad_accum_steps=3: "
+        "train.global_batch_size=16 does not divide by the 2 processes x 3 accumulation steps: "
+        "use a multiple of 6, e.g. train.global_batch_size=12")
+    # Optuna draws its trials later: a range is checked at its ends, here 1 (dropout is < 1).
+    assert refusal(tmp_path, "--optuna", "2", *TINY, "train.max_steps=1",
+                   "model.dropout=uniform(0,1)", "optim.lr=1e-3,2e-3") == (
+        "error: trial model.dropout=1 optim.lr=1e-3: model.dropout=1.0 is not valid: it must be "
+        "at least 0 and below 1")
+    # --random's draws are checked too: 13, inside int(12,14), does not divide by 2.
+    assert refusal(tmp_path, "--random", "4", "--nproc", "2", *TINY, "train.max_steps=1",
+                   "train.global_batch_size=int(12,14)") == (
+        "error: trial train.global_batch_size=13: train.global_batch_size=13 does not divide by "
+        "the 2 processes: use a multiple of 2, e.g. train.global_batch_size=12")
+    # A file of the user's that does not compile: once, whichever trial names it.
+    broken = tmp_path / "broken_model.py"
+    broken.write_text("def net(cfg, input_shape, num_outputs:\n")
+    line = refusal(tmp_path, f"model.name={broken}:net", "optim.lr=1e-3,2e-3")
+    assert line.startswith(f"error: {broken} line 1: ") and line.endswith(
+        ": fix it and run again"), line
+
+
+def test_bad_sweep_options_are_one_line_before_anything_is_written(monkeypatch):
+    def check(*argv: str) -> None:
+        sweep.check_args(sweep.build_parser().parse_args([*argv, "optim.lr=1e-3,2e-3"]))
+
+    for argv, message in [
+        (["--seed", "-1"], "--seed -1 is not valid: it must be between 0 and 4294967295"),
+        (["--max-parallel", "-1"], "--max-parallel -1 is not valid"),
+        (["--time", "12:00:00"], "--time is for a SLURM job array: add --slurm, or drop it"),
+        (["--dry-run", "--cpus-per-task", "4"],
+         "--dry-run and --cpus-per-task are for a SLURM job array: add --slurm, or drop them"),
+        (["--slurm", "--time", "noon"], "--time noon is not valid: give minutes, HH:MM:SS"),
+        (["--slurm", "--gpus", "0"], "--gpus picks GPUs of this machine"),
+        (["--storage", "sqlite:///x.db"], "--storage is for an Optuna study: add --optuna N"),
+    ]:
+        with pytest.raises(UserError) as refused:
+            check(*argv)
+        assert str(refused.value).startswith(message), (argv, str(refused.value))
+    monkeypatch.setenv("NPROC_PER_NODE", "two")
+    with pytest.raises(UserError, match="NPROC_PER_NODE=two is not valid"):
+        check()
+    with pytest.raises(UserError, match="--gpus 0,1,0 names a GPU twice"):
+        sweep.chosen_devices(argparse.Namespace(gpus="0,1,0"))
+    with pytest.raises(UserError, match="--storage nowhere does not open: "):
+        sweep.check_storage("nowhere")
 
 
 def test_the_plan_is_drawn_once_and_a_rerun_must_ask_for_the_same_sweep(tmp_path):
