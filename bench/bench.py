@@ -26,16 +26,30 @@ training samples/s the template logs (streamed / map-style, above 1: faster). A 
 a wide MLP, whose step takes far longer than reading a batch; `stream-small` the default MLP.
 bench/stream_wait.py measures how long the loop waits for each streamed batch.
 
-Per run: the median time (the first epoch left out), the time from launch to the end of the first
-optimizer step, the peak resident memory of the largest process, the final training loss. Speed
-is reported as the median of the per-round ratios (contender / hand-written of the same round)
-with their spread, since a shared machine's slow spells hit a round's contenders alike. Writes
-results.json and results.md into --out, and prints the table.
+`gpt` is a nanoGPT-class language model (bench/gpt.py: 12.2M parameters, a corpus of 4M tokens
+generated on the spot, every offset a training sample), given to the baked train.py through its
+extension points (model.name, data.dataset and task.name as path/file.py:name) with its defaults
+otherwise, against nanoGPT's own loop in handwritten.py (`--workload gpt`: random windows per
+rank, validation and a torch.save checkpoint on rank 0), 8 optimizer steps under torchrun
+--nproc_per_node=2: where start-up and memory show.
+
+Per run: the median time (the first epoch left out), the final training loss, and for every
+workload, recorded the same way for every contender by bench/peak.py (each training process is
+its child; bench/probe/sitecustomize.py hooks the first optimizer step without touching the
+contenders' code): the time from launch (this script starting the launcher) to the end of the
+first optimizer step (the last rank's), and the peak resident memory of the largest training
+process (its own ru_maxrss: torchrun's is left out). Each is compared with the base of the same
+round: speed and memory as the median of the per-round ratios (contender / hand-written) with
+their spread, start-up as the median of the per-round differences in seconds, since a shared
+machine's slow spells hit a round's contenders alike. Writes results.json and results.md into
+--out, and prints the table.
 """
 
 import argparse
 import functools
 import json
+import math
+import operator
 import os
 import platform
 import shutil
@@ -48,6 +62,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
+GPT = BENCH / "gpt.py"
 # The shards read by 2 loader workers per rank, the same shards read in the training process,
 # the same split in memory map-style through 2 loader workers per rank, and in memory read in
 # the training process (the base).
@@ -77,6 +92,16 @@ WORKLOADS = {
                      "epochs": 20, "nproc": 2, "key": "samples_per_second", "base": "map",
                      "contenders": STREAM_CONTENDERS,
                      "what": "the same with the default MLP 64-256-256-10"},
+    # A user's language model through the template's extension points, against nanoGPT's loop:
+    # 8 steps, then validation and a checkpoint; timed per step (first step included).
+    "gpt": {"overrides": [f"model.name={GPT}:build_gpt", f"data.dataset={GPT}:tokens",
+                          f"task.name={GPT}:LanguageModel", "train.global_batch_size=16",
+                          "eval.batch_size=16", "train.max_steps=8"],
+            "script_args": ["--batch-size", "16", "--steps", "8"],
+            "epochs": 1, "nproc": 2, "key": "seconds_per_step", "lightning": False,
+            "what": "nanoGPT-class LM (6x384, context 64, vocabulary 4096: 12.2M parameters) on "
+                    "4M generated tokens, global batch 16, 8 steps, then validation and a "
+                    "checkpoint"},
 }
 
 
@@ -87,11 +112,13 @@ def bake(where: Path) -> Path:
 
 
 def torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
-    """The command that runs `script` on `nproc` processes (1: plain python, no torchrun)."""
+    """The command that runs `script` on `nproc` processes (1: plain python, no torchrun), each
+    under bench/peak.py, which records its peak memory and first optimizer step."""
+    probed = [str(BENCH / "peak.py"), script, *args]
     if nproc == 1:
-        return [sys.executable, script, *args]
+        return [sys.executable, *probed]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", script, *args]
+            f"--nproc_per_node={nproc}", *probed]
 
 
 class RunFailed(Exception):
@@ -99,24 +126,27 @@ class RunFailed(Exception):
 
 
 def run_measured(command: list[str], cwd: Path, log: Path,
-                 nproc: int = 2) -> tuple[float, float, int]:
-    """Run a command to its end; returns its launch time (unix), the peak resident memory (MiB)
-    of the largest process in its tree (wait4 reports the whole reaped tree) and its exit
-    status. A failed run's log is kept in the temp folder (the bench's own goes at its end)."""
+                 nproc: int = 2) -> tuple[float, float, float, int]:
+    """Run a command (made by torchrun()) to its end; returns its launch time (unix), the end of
+    its first optimizer step (unix, the last rank's; nan if none was recorded), the peak
+    resident memory (MiB) of its largest training process, and its exit status. A failed run's
+    log is kept in the temp folder (the bench's own goes at its end)."""
+    probe = log.with_suffix(".probe.jsonl")
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", "BENCH_PROBE_FILE": str(probe)}
     with open(log, "w") as out:
         launched = time.time()
-        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=out,
-                                   stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(process.pid, 0)
-        process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
+        status = subprocess.call(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if status != 0:
         kept = Path(tempfile.gettempdir()) / f"bench-failed-{log.name}"
         shutil.copyfile(log, kept)
-        print(f"  {' '.join(command)} ended with exit status {process.returncode}; its output: "
+        print(f"  {' '.join(command)} ended with exit status {status}; its output: "
               f"{kept}", flush=True)
-    return launched, usage.ru_maxrss / 1024, process.returncode
+    records = json_lines(probe) if probe.exists() else []
+    first = [r["first_step"] for r in records if "first_step" in r]
+    peaks = [r["peak_rss_mib"] for r in records if "peak_rss_mib" in r]
+    return (launched, max(first, default=float("nan")), max(peaks, default=float("nan")),
+            status)
 
 
 def complete(epochs: list, workload: dict, status: int, log: Path) -> None:
@@ -138,9 +168,10 @@ def json_lines(path: Path) -> list[dict]:
 
 def summarise(epoch_seconds: list[float], step_seconds: list[float], first_step: float,
               launched: float, rss: float, loss: float, status: int, **more: float) -> dict:
-    """A run's numbers; the first epoch (start-up, warm-up) is left out of the medians."""
-    return {**more, "seconds_per_epoch": statistics.median(epoch_seconds[1:]),
-            "seconds_per_step": statistics.median(step_seconds[1:]),
+    """A run's numbers; the first epoch (start-up, warm-up) is left out of the medians, unless
+    it is the only one."""
+    return {**more, "seconds_per_epoch": statistics.median(epoch_seconds[1:] or epoch_seconds),
+            "seconds_per_step": statistics.median(step_seconds[1:] or step_seconds),
             "time_to_first_step": first_step - launched, "peak_rss_mib": rss,
             "final_loss": loss, "epoch_seconds": epoch_seconds, "exit_status": status}
 
@@ -152,20 +183,18 @@ def run_template(project: Path, workload: dict, scratch: Path, tag: str,
                        "train.progress_bar=false", *workload["overrides"], *overrides,
                        nproc=workload["nproc"])
     log = scratch / f"{name}-{tag}.log"
-    launched, rss, status = run_measured(command, project, log, workload["nproc"])
+    launched, first_step, rss, status = run_measured(command, project, log, workload["nproc"])
     epochs = json_lines(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     complete(epochs, workload, status, log)
     records = json_lines(run_dir / "train_log.jsonl")
-    first = records[0]
-    assert first["step"] == 1, first
     steps = [b["step"] - a["step"] for a, b in zip([{"step": 0}, *epochs], epochs, strict=False)]
     # The training samples/s of each logging window (all ranks together), the first (start-up)
     # left out. An epoch shorter than train.log_every steps is one window.
     rates = [r["samples_per_s"] for r in records if "samples_per_s" in r][1:]
     return summarise([e["epoch_seconds"] for e in epochs],
                      [e["train_seconds"] / n for e, n in zip(epochs, steps, strict=True)],
-                     first["time"], launched, rss, epochs[-1]["train_loss"], status,
-                     samples_per_second=statistics.median(rates))
+                     first_step, launched, rss, epochs[-1]["train_loss"], status,
+                     samples_per_second=statistics.median(rates or [math.nan]))
 
 
 def run_script(name: str, script: Path, workload_name: str, workload: dict, scratch: Path,
@@ -173,27 +202,37 @@ def run_script(name: str, script: Path, workload_name: str, workload: dict, scra
     log = scratch / f"{name}-{tag}.log"
     flags = ["--matched"] if workload.get("matched") else []
     command = torchrun(str(script), "--workload", workload_name.split("-")[0], "--epochs",
-                       str(workload["epochs"]), *flags, nproc=workload["nproc"])
-    launched, rss, status = run_measured(command, BENCH, log, workload["nproc"])
+                       str(workload["epochs"]), *flags, *workload.get("script_args", ()),
+                       nproc=workload["nproc"])
+    launched, first, rss, status = run_measured(command, BENCH, log, workload["nproc"])
     records = json_lines(log)
     epochs = [r for r in records if "epoch" in r]
     complete(epochs, workload, status, log)
-    first = next(r["first_step"] for r in records if "first_step" in r)
     return summarise([e["seconds"] for e in epochs],
                      [e.get("train_seconds", e["seconds"]) / e.get("steps", 1) for e in epochs],
                      first, launched, rss, epochs[-1]["loss"], status)
 
 
-def pairwise(runs: dict, key: str, base_name: str = "handwritten") -> dict:
-    """Per round, each contender's value over the base's (the hand-written loop's) of the same
-    round: their median, and the spread (lowest, highest) across rounds. Contenders run back to
-    back within a round, so a slow spell of the shared machine hits both sides of a ratio
-    alike."""
+def pairwise(runs: dict, key: str, base_name: str = "handwritten",
+             compare=operator.truediv) -> dict:
+    """Per round, each contender's value compared with the base's (the hand-written loop's) of
+    the same round, by `compare` (a ratio; operator.sub: a difference): their median, and the
+    spread (lowest, highest) across rounds. Contenders run back to back within a round, so a
+    slow spell of the shared machine hits both sides alike."""
     base = [r[key] for r in runs[base_name]]
-    ratios = {name: [r[key] / b for r, b in zip(measured, base, strict=True)]
+    ratios = {name: [compare(r[key], b) for r, b in zip(measured, base, strict=True)]
               for name, measured in runs.items()}
     return {name: {"median": statistics.median(values), "low": min(values), "high": max(values),
                    "rounds": values} for name, values in ratios.items()}
+
+
+def compared(runs: dict, workload: dict) -> dict:
+    """The workload's per-round comparisons with its base: its measure (a ratio), the peak RSS
+    per training process (a ratio) and launch to first step (a difference, seconds)."""
+    base = workload.get("base", "handwritten")
+    return {"measure": pairwise(runs, measure_key(workload), base),
+            "peak_rss": pairwise(runs, "peak_rss_mib", base),
+            "first_step": pairwise(runs, "time_to_first_step", base, operator.sub)}
 
 
 def have_lightning() -> bool:
@@ -218,19 +257,26 @@ NUMBERS = ("seconds_per_epoch", "seconds_per_step", "samples_per_second", "time_
 
 
 def table(results: dict, ratios: dict) -> str:
-    lines = [("| workload | contender | measure (median) | vs the base (hand-written; stream: "
-              "map-style): median of per-round ratios | spread of the ratios | launch to first "
-              "step (s) | peak RSS per process (MiB) | final train loss |"),
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    """One row per contender: each number is the median over rounds, each comparison with the
+    base (hand-written; stream: map-style) the median of the per-round ones, (lowest to
+    highest)."""
+    lines = [("| workload | contender | measure (median) | measure vs the base: per-round ratio, "
+              "median (spread) | launch to first step (s) | vs the base: per-round difference "
+              "(s), median (spread) | peak RSS per training process (MiB) | vs the base: "
+              "per-round ratio, median (spread) | final train loss |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for workload, by_contender in results.items():
         key = measure_key(WORKLOADS[workload])
         unit, scale = UNITS[key]
         for name, r in by_contender.items():
-            ratio = ratios[workload][name]
+            measure, rss, first = (ratios[workload][part][name]
+                                   for part in ("measure", "peak_rss", "first_step"))
             lines.append(
-                f"| {workload} | {name} | {unit.format(r[key] * scale)} | {ratio['median']:.3f} | "
-                f"{ratio['low']:.3f} to {ratio['high']:.3f} | {r['time_to_first_step']:.2f} | "
-                f"{r['peak_rss_mib']:.0f} | {r['final_loss']:.4f} |")
+                f"| {workload} | {name} | {unit.format(r[key] * scale)} | "
+                f"{measure['median']:.3f} ({measure['low']:.3f} to {measure['high']:.3f}) | "
+                f"{r['time_to_first_step']:.2f} | {first['median']:+.2f} ({first['low']:+.2f} "
+                f"to {first['high']:+.2f}) | {r['peak_rss_mib']:.0f} | {rss['median']:.3f} "
+                f"({rss['low']:.3f} to {rss['high']:.3f}) | {r['final_loss']:.4f} |")
     return "\n".join(lines)
 
 
@@ -244,7 +290,7 @@ def contenders_for(name: str, workload: dict, project: Path, scratch: Path) -> d
         "handwritten": lambda tag: run_script("handwritten", BENCH / "handwritten.py", name,
                                               workload, scratch, tag),
     }
-    if have_lightning() and not workload.get("matched"):
+    if have_lightning() and not workload.get("matched") and workload.get("lightning", True):
         todo["lightning"] = lambda tag: run_script("lightning", BENCH / "lightning_loop.py", name,
                                                    workload, scratch, tag)
     return todo
@@ -310,8 +356,7 @@ def main(argv: list[str]) -> int:
                 contender: {key: statistics.median(r[key] for r in measured)
                             for key in NUMBERS if key in measured[0]}
                 for contender, measured in runs[name].items()}
-            ratios[name] = pairwise(runs[name], measure_key(workload),
-                                    workload.get("base", "handwritten"))
+            ratios[name] = compared(runs[name], workload)
 
     import torch
 

@@ -11,11 +11,19 @@ validates on rank 0 only. Started without torchrun it is one plain process (no D
 AdamW, the running training loss and accuracy summed on the device), written inline, so that a
 comparison measures the template's machinery alone. Rank 0 prints one JSON line per event for bench.py:
 {"first_step": unix time}, {"epoch": n, "seconds": s, "train_seconds": t, "steps": k, ...}.
+
+--workload gpt is nanoGPT's loop instead (train_gpt): the model and corpus of bench/gpt.py,
+each rank drawing its own random windows (get_batch), AdamW with weight decay on the matrices
+(fused, as the template's default is; nanoGPT fuses on CUDA only), --steps steps, then
+validation on rank 0 and a checkpoint written by rank 0 with torch.save (model and optimizer),
+as nanoGPT's train.py does.
 """
 
 import argparse
 import json
 import os
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -76,11 +84,12 @@ def cnn():
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--workload", choices=["tiny", "cnn"], default="tiny")
+    parser.add_argument("--workload", choices=["tiny", "cnn", "gpt"], default="tiny")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=64, help="global, over all ranks")
     parser.add_argument("--lr", type=float, default=0.002)
     parser.add_argument("--samples", type=int, default=2000, help="cnn: synthetic images")
+    parser.add_argument("--steps", type=int, default=8, help="gpt: optimizer steps")
     parser.add_argument("--matched", action="store_true",
                         help="do what the template does (whole-batch indexing, fused AdamW, "
                         "running training loss and accuracy), so that only the loops differ")
@@ -102,6 +111,11 @@ def main():
         device = torch.device("cpu")
 
     torch.manual_seed(0)
+    if args.workload == "gpt":
+        train_gpt(args, distributed, rank, world_size, device)
+        if distributed:
+            dist.destroy_process_group()
+        return
     (x_train, y_train), (x_val, y_val) = (digits() if args.workload == "tiny"
                                           else random_images(args.samples))
     train_set = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
@@ -165,6 +179,62 @@ def main():
                               "images_per_s": seen / train_seconds}), flush=True)
     if distributed:
         dist.destroy_process_group()
+
+
+def gpt_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """nanoGPT's configure_optimizers: weight decay on the matrices only, fused AdamW."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, fused=True)
+
+
+def train_gpt(args, distributed: bool, rank: int, world_size: int, device: torch.device):
+    """nanoGPT's loop on bench/gpt.py's model and corpus: random windows per rank, --steps
+    steps, validation on rank 0, a torch.save checkpoint by rank 0."""
+    import gpt
+
+    stream, end = gpt.corpus(), gpt.held_out()
+    train_stream = stream[:end]
+    val = gpt.Windows(stream[end:end + gpt.VAL_WINDOWS * gpt.CONTEXT + 1], gpt.CONTEXT)
+    model = gpt.GPT().to(device)
+    bare = model
+    if distributed:
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = gpt_optimizer(bare, args.lr)
+    generator = torch.Generator().manual_seed(1337 + rank)  # each rank its own windows
+    per_rank = args.batch_size // world_size
+    start, seconds = time.perf_counter(), []
+    for step in range(args.steps):
+        began = time.perf_counter()
+        starts = torch.randint(len(train_stream) - gpt.CONTEXT, (per_rank,), generator=generator)
+        x, y = (t.to(device) for t in gpt.windows(train_stream, starts))
+        loss = gpt.lm_loss(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step == 0 and rank == 0:
+            print(json.dumps({"first_step": time.time()}), flush=True)
+        seconds.append(time.perf_counter() - began)
+    train_seconds = time.perf_counter() - start
+    if rank == 0:
+        model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for index in range(0, len(val), args.batch_size):
+                x, y = val[list(range(index, min(index + args.batch_size, len(val))))]
+                total += gpt.lm_loss(bare(x.to(device)), y.to(device)).item() * len(x)
+        folder = tempfile.mkdtemp(prefix="handwritten-gpt-")
+        torch.save({"model": bare.state_dict(), "optimizer": optimizer.state_dict(),
+                    "step": args.steps}, os.path.join(folder, "ckpt.pt"))
+        shutil.rmtree(folder)
+    if distributed:
+        dist.barrier()
+    if rank == 0:
+        print(json.dumps({"epoch": 1, "seconds": time.perf_counter() - start,
+                          "train_seconds": train_seconds, "steps": args.steps,
+                          "step_seconds": seconds, "loss": loss.item(),
+                          "val_loss": total / len(val)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 # The benchmark, one command: set up .venv (as scripts/setup.sh does), add the bench extras
 # (PyTorch Lightning; skip them with BENCH_LIGHTNING=0), then run bench/bench.py with any
 # arguments given here, e.g.  bash bench/run.sh --pairs 7 --workloads tiny
-# Results: bench/results/results.md and results.json. Takes about 10 minutes on 2 cores.
+#                             bash bench/run.sh --pairs 3 --workloads gpt   # memory, start-up
+# Every workload also reports, per round against the hand-written loop, the peak RSS per
+# training process (a ratio) and launch to first step (a difference), both recorded by
+# bench/peak.py. Results: bench/results/results.md and results.json. About 30 minutes on 2 cores.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"

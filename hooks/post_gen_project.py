@@ -11,12 +11,13 @@ processes = int("{{ cookiecutter.gpus_per_node }}") * int("{{ cookiecutter.num_n
 def fit_default_batch(world: int) -> None:
     """The default global batch (64) must split evenly over every process of the bake, or the
     printed first command would stop at its own preflight: round it up to a multiple of the
-    process count, in the schema and in the YAML that shows it (ddpkit/config.py stays plain Python)."""
+    process count, in the schema and in the YAML that shows it (ddpkit/schema.py stays plain Python)."""
     batch = -(-64 // world) * world
     if batch == 64:
         return
     for name, pattern, replacement in (
-            ("ddpkit/config.py", r"global_batch_size: int = 64\b", f"global_batch_size: int = {batch}"),
+            ("ddpkit/schema.py", r"global_batch_size: int = setting\(64\b",
+             f"global_batch_size: int = setting({batch}"),
             ("configs/default.yaml", r"global_batch_size: 64\b", f"global_batch_size: {batch}")):
         path = project / name
         text, count = re.subn(pattern, replacement, path.read_text())

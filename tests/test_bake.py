@@ -20,9 +20,16 @@ EXPECTED_FILES = {
     *(f"ddpkit/{name}.py" for name in (
         "__init__", "project", "recipes", "config", "dist_utils", "data", "splits", "datasets",
         "models", "tasks", "parallel", "speed", "checkpoint", "training_log", "evaluation",
-        "metrics", "flops", "profiling", "trackers", "preflight", "report", "sweep",
+        "metrics", "flops", "profiling", "preflight", "report",
         "run_setup", "run_state", "run_end", "resume_settings", "optimizers", "schedules", "smoke",
-        "utilization", "equivalence", "validation")),
+        "utilization", "equivalence", "validation", "schema", "run_folder", "writes", "position",
+        "checkpoint_files", "checkpoint_load", "exits", "supervisor", "lifecycle", "worker",
+        "launcher")),
+    # optional features, imported only when used
+    *(f"ddpkit/extras/{name}.py" for name in (
+        "__init__", "sweep/__init__", "sweep/space", "sweep/folder", "sweep/checks", "sweep/local",
+        "sweep/slurm", "sweep/optuna_search", "sweep/summary", "sweep/main", "trackers",
+        "replicas/__init__", "replicas/launch", "replicas/groups", "elastic")),
     "tests/conftest.py", "tests/fixtures.py",
     "tests/test_config.py", "tests/test_data.py", "tests/test_dist_utils.py",
     "tests/test_distributed.py", "tests/test_examples.py", "tests/test_metrics.py",
@@ -198,7 +205,7 @@ def test_two_nodes_of_three_gpus_get_a_global_batch_for_six_processes(tmp_path):
     assert result.returncode == 0, result.stdout
     project = tmp_path / "my_ddp_experiment"
     assert "global_batch_size: 66\n" in (project / "configs" / "default.yaml").read_text()
-    assert "global_batch_size: int = 66 " in (project / "ddpkit" / "config.py").read_text()
+    assert "global_batch_size: int = setting(66," in (project / "ddpkit" / "schema.py").read_text()
 
 
 def printed_commands(stdout: str) -> list[list[str]]:

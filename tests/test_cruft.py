@@ -55,14 +55,21 @@ def commit(repo: Path, message: str, env: dict) -> str:
     return call(["git", "rev-parse", "HEAD"], repo, env).stdout.strip()
 
 
-def template_repo(root: Path, env: dict) -> Path:
-    """The template as it is in this checkout (what cookiecutter needs of it), one commit."""
-    repo = root / "ddp-template"
-    repo.mkdir()
+def copy_checkout(repo: Path) -> None:
+    """The template as it is in this checkout (what cookiecutter needs of it) into `repo`, in
+    place of what was there."""
     shutil.copy(TEMPLATE / "cookiecutter.json", repo)
     caches = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache")
     for folder in ("hooks", SLUG_DIR):
+        shutil.rmtree(repo / folder, ignore_errors=True)
         shutil.copytree(TEMPLATE / folder, repo / folder, ignore=caches)
+
+
+def template_repo(root: Path, env: dict) -> Path:
+    """The template as it is in this checkout, one commit."""
+    repo = root / "ddp-template"
+    repo.mkdir()
+    copy_checkout(repo)
     call(["git", "init", "-q"], repo, env)
     commit(repo, "The template", env)
     return repo
@@ -128,25 +135,25 @@ FLAT_LAYOUT = "400bb3c"
 IMPORT_ROW = re.compile(r"^\| `([\w.]+)` \| `([^`]+)` \| `([^`]+)` \|$", re.MULTILINE)
 
 
-def flat_layout_template(root: Path, env: dict) -> Path:
-    """The template as it was at FLAT_LAYOUT, one commit (from this checkout's history)."""
-    known = run(["git", "cat-file", "-e", f"{FLAT_LAYOUT}^{{commit}}"], cwd=TEMPLATE)
+def template_at(ref: str, root: Path, env: dict) -> tuple[Path, str]:
+    """The template as it was at commit `ref` of this checkout's history, one commit of a
+    repository of its own: the repository and that commit."""
+    known = run(["git", "cat-file", "-e", f"{ref}^{{commit}}"], cwd=TEMPLATE)
     if known.returncode != 0:
-        pytest.skip(f"needs the template's git history (commit {FLAT_LAYOUT})")
+        pytest.skip(f"needs the template's git history (commit {ref})")
     repo = root / "ddp-template"
     repo.mkdir()
-    archive = subprocess.run(["git", "archive", FLAT_LAYOUT, "cookiecutter.json", "hooks",
-                              SLUG_DIR], cwd=TEMPLATE, capture_output=True, check=True).stdout
+    archive = subprocess.run(["git", "archive", ref, "cookiecutter.json", "hooks", SLUG_DIR],
+                             cwd=TEMPLATE, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(repo)], input=archive, check=True)
     call(["git", "init", "-q"], repo, env)
-    commit(repo, "The template, flat", env)
-    return repo
+    return repo, commit(repo, f"The template at {ref}", env)
 
 
 @pytest.mark.slow
 def test_a_project_baked_before_the_engine_moved_takes_the_move_with_cruft_update(tmp_path,
                                                                                    tools):
-    template = flat_layout_template(tmp_path, tools)
+    template, _ = template_at(FLAT_LAYOUT, tmp_path, tools)
     call([CRUFT, "create", template, "--no-input", "--output-dir", tmp_path / "out"], tmp_path,
          tools)
     project = tmp_path / "out" / "my_ddp_experiment"
@@ -159,11 +166,7 @@ def test_a_project_baked_before_the_engine_moved_takes_the_move_with_cruft_updat
     commit(project, "My experiment", tools)
 
     # The template of this checkout replaces the flat one: the engine moves into ddpkit/.
-    for folder in ("hooks", SLUG_DIR):
-        shutil.rmtree(template / folder)
-        shutil.copytree(TEMPLATE / folder, template / folder, ignore=shutil.ignore_patterns(
-            "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache"))
-    shutil.copy(TEMPLATE / "cookiecutter.json", template)
+    copy_checkout(template)
     commit(template, "The engine in ddpkit/", tools)
     updated = call([CRUFT, "update", "-y"], project, tools)
     assert conflicts(project) == [], updated.stdout

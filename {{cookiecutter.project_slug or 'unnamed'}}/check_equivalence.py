@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from ddpkit import equivalence
-from ddpkit.checkpoint import MODEL_FILE
+from ddpkit.checkpoint_files import MODEL_FILE
 from ddpkit.config import UserError, load_config
 
 PROJECT_DIR = Path(__file__).resolve().parent

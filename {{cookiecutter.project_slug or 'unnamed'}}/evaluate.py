@@ -26,12 +26,20 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ddpkit import checkpoint, dist_utils, recipes, trackers
+from ddpkit import (
+    checkpoint_files,
+    checkpoint_load,
+    dist_utils,
+    lifecycle,
+    recipes,
+)
 from ddpkit.config import UserError, config_from_dict, given_keys, load_config
 from ddpkit.data import DataModule
 from ddpkit.evaluation import OutputFolder, evaluate_split, scalars, summary_lines, write_outputs
 from ddpkit.parallel import build_model
+from ddpkit.run_setup import trackers, tracking_on
 from ddpkit.speed import resolve_speed
+from ddpkit.supervisor import Preempted, Supervisor
 from ddpkit.tasks import build_task
 
 log = logging.getLogger("ddp")
@@ -43,14 +51,14 @@ FIXED_BY_CHECKPOINT = ("model", "task")  # sections an override may not contradi
 def checkpoint_to_evaluate(cfg: DictConfig) -> Path:
     """eval.checkpoint, or the newest run in run.output_dir when it is not set."""
     if cfg.eval.checkpoint:
-        return checkpoint.find_checkpoint(cfg.eval.checkpoint)
-    newest = checkpoint.newest_run(Path(cfg.run.output_dir))
+        return checkpoint_files.find_checkpoint(cfg.eval.checkpoint)
+    newest = checkpoint_files.newest_run(Path(cfg.run.output_dir))
     if newest is None:
         raise UserError(f"eval.checkpoint is not set and {cfg.run.output_dir}/ holds no run with "
                         "a checkpoint: train first (./run.sh), or pass eval.checkpoint=<run "
                         "folder, checkpoint folder or model.pt>")
     log.info("eval.checkpoint not set: evaluating the newest run, %s", newest)
-    return checkpoint.find_checkpoint(str(newest))
+    return checkpoint_files.find_checkpoint(str(newest))
 
 
 def evaluation_config(cfg: DictConfig, argv: list[str], stored: dict, source: Path) -> DictConfig:
@@ -77,10 +85,10 @@ def output_folder(cfg: DictConfig, source: Path) -> tuple[Path, Path]:
     return run_dir, Path(cfg.eval.output_dir or run_dir / f"eval-{cfg.eval.split}")
 
 
-def stop_if_asked(result: dict | None, supervisor: dist_utils.Supervisor) -> dict:
+def stop_if_asked(result: dict | None, supervisor: Supervisor) -> dict:
     """A preemption signal (SIGTERM, SIGUSR1) stops every rank, before anything is written."""
     if result is None or supervisor.should_stop(first=True):
-        raise dist_utils.Preempted("evaluation stopped by a signal, nothing written: run the "
+        raise Preempted("evaluation stopped by a signal, nothing written: run the "
                                    "same command again")
     return result
 
@@ -92,18 +100,19 @@ def main(argv: list[str]) -> None:
     dist_utils.setup_logging(env)
     device = dist_utils.select_device(env, cfg.train.device)
     dist_utils.init_distributed(env, device, cfg.ddp.backend, cfg.ddp.timeout_minutes)
-    supervisor = dist_utils.Supervisor(env, cfg.ddp.timeout_minutes)
+    supervisor = Supervisor(env, cfg.ddp.timeout_minutes)
 
     folder = None
     # Chosen, verified and held by rank 0: a run that trains on may not prune it meanwhile.
-    source = checkpoint.chosen_by_rank_0(lambda: checkpoint_to_evaluate(cfg))
+    source = checkpoint_files.chosen_by_rank_0(lambda: checkpoint_to_evaluate(cfg))
     try:
         with dist_utils.agree_on_errors():  # a bad checkpoint stops every rank, reported once
-            state = checkpoint.load_checkpoint(source)
+            state = checkpoint_load.load_checkpoint(source)
             run_cfg = evaluation_config(cfg, argv, state.get("config", {}), source)
             run_dir, out_dir = output_folder(cfg, source)
             # Rank 0's own work after the evaluation, checked before it: trackers, the folder.
-            trackers.check_for_evaluation(run_cfg, run_dir)
+            if tracking_on(run_cfg):
+                trackers().check_for_evaluation(run_cfg, run_dir)
             if env.is_main:
                 folder = OutputFolder(out_dir)
                 folder.open()
@@ -112,7 +121,7 @@ def main(argv: list[str]) -> None:
             input_shape = task.input_shape(data.first_samples()[0])
             model = build_model(run_cfg.model, input_shape, task.num_outputs,
                                 task.model_inputs(data.sample_batch()))
-            checkpoint.load_model_weights(model, source, state)
+            checkpoint_load.load_model_weights(model, source, state)
             # Precision and memory format from this call's speed settings (no compile).
             speed = resolve_speed(run_cfg, device, input_shape)
         result, seconds = evaluate(cfg, model, data, task, device, speed, supervisor)
@@ -137,7 +146,7 @@ def main(argv: list[str]) -> None:
 
 
 def evaluate(cfg: DictConfig, model, data: DataModule, task, device, speed,
-             supervisor: dist_utils.Supervisor) -> tuple[dict, float]:
+             supervisor: Supervisor) -> tuple[dict, float]:
     """The split's metrics on every rank, and the seconds they took."""
     # No DDP wrapper: evaluation computes no gradients, and the weights are the same everywhere.
     model = model.to(device, memory_format=speed.memory_format)
@@ -156,7 +165,8 @@ def evaluate(cfg: DictConfig, model, data: DataModule, task, device, speed,
 def track(run_cfg: DictConfig, run_dir: Path, result: dict, step: int, split: str,
           files: list[Path], folder: str) -> None:
     """The run's MLflow / W&B run, when it had one: the metrics and the files."""
-    tracked = trackers.continue_for_evaluation(run_cfg, run_dir)
+    tracked = trackers().continue_for_evaluation(run_cfg, run_dir) if tracking_on(
+        run_cfg) else None
     if tracked:
         tracked.log_metrics({f"{split}/{name}": value for name, value in scalars(result).items()},
                             step)
@@ -166,4 +176,4 @@ def track(run_cfg: DictConfig, run_dir: Path, result: dict, step: int, split: st
 
 if __name__ == "__main__":
     torch.set_grad_enabled(False)
-    dist_utils.run_main(main)
+    lifecycle.run_main(main)

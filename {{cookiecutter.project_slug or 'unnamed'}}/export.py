@@ -16,7 +16,7 @@ step and the config that builds the model, and loads with torch.load(weights_onl
 import json
 from pathlib import Path
 
-from ddpkit import checkpoint, dist_utils, report
+from ddpkit import checkpoint, checkpoint_files, checkpoint_load, lifecycle, report
 from ddpkit.config import UserError, config_from_dict
 
 
@@ -26,15 +26,15 @@ def main(argv: list[str]) -> None:
     if len(argv) not in (1, 2):
         raise UserError("usage: python export.py <run folder or checkpoint folder> [output file]"
                         " [--best]")
-    source = checkpoint.find_checkpoint(best_checkpoint(Path(argv[0])) if best else argv[0])
-    if not checkpoint.is_checkpoint(source):
+    source = checkpoint_files.find_checkpoint(best_checkpoint(Path(argv[0])) if best else argv[0])
+    if not checkpoint_files.is_checkpoint(source):
         raise UserError(f"{source} is not a checkpoint folder: give a run folder or its "
                         "checkpoints/step-<N>")
-    state = checkpoint.load_checkpoint(source)
+    state = checkpoint_load.load_checkpoint(source)
     cfg = config_from_dict(state.get("config", {}), f"config stored in {source}")
     run_dir = source.parent.parent if source.parent.name == "checkpoints" else source.parent
-    target = Path(argv[1]) if len(argv) == 2 else run_dir / checkpoint.MODEL_FILE
-    checkpoint.export_model(checkpoint.read_model(source), target, state["step"], cfg)
+    target = Path(argv[1]) if len(argv) == 2 else run_dir / checkpoint_files.MODEL_FILE
+    checkpoint.export_model(checkpoint_load.read_model(source), target, state["step"], cfg)
     print(f"wrote {target}: the model of {source} (step {state['step']})")
 
 
@@ -51,4 +51,4 @@ def best_checkpoint(run_dir: Path) -> str:
 
 
 if __name__ == "__main__":
-    dist_utils.run_main(main)
+    lifecycle.run_main(main)

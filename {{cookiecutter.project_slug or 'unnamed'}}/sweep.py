@@ -1,4 +1,4 @@
-"""Hyperparameter sweeps, every trial a normal run launched with run.sh (ddpkit/sweep.py):
+"""Hyperparameter sweeps, every trial a normal run launched with run.sh (ddpkit/extras/sweep/):
 
     python sweep.py optim.lr=1e-3,3e-3 model.hidden_dim=128,256        # a grid: 4 trials
     python sweep.py --random 8 optim.lr=loguniform(1e-4,1e-2) model.dropout=0,0.1,0.2
@@ -10,7 +10,7 @@
 
 import sys
 
-from ddpkit.sweep import main
+from ddpkit.extras.sweep.main import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

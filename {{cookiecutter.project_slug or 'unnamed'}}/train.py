@@ -25,13 +25,13 @@ import time
 
 from tqdm import tqdm
 
-from ddpkit import dist_utils, recipes
+from ddpkit import lifecycle, recipes
 from ddpkit.profiling import StepProfiler
 from ddpkit.run_end import end_run, save_and_export, stop_for_preemption, summary_on_failure
-from ddpkit.run_setup import describe, start_run
+from ddpkit.run_setup import describe_run, start_run
 from ddpkit.run_state import Run, epoch_steps, train_step
 from ddpkit.smoke import end_smoke_test, removed_at_the_end
-from ddpkit.validation import validate
+from ddpkit.validation import keep_best, log_early_stop, validate
 
 log = logging.getLogger("ddp")
 
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
     recipes.load()  # your model.py, data_sources.py and tasks.py add to the registries
     run = start_run(argv)
-    describe(run)
+    describe_run(run)
     if run.cfg.train.fast_dev_run:
         with removed_at_the_end(run):
             train_epochs(run)
@@ -60,19 +60,20 @@ def train_epochs(run: Run) -> None:
     training_log, scheduler, checkpointer = run.training_log, run.scheduler, run.checkpointer
     optimizer, device, speed, scaler = run.optimizer, run.device, run.speed, run.scaler
     supervisor, lr, validation = run.supervisor, run.lr, run.validation
+    step = run.train_step or train_step  # replica groups bring their own, voted on
     # Settings the loop reads every step, as plain numbers (an OmegaConf read is far slower).
     epochs, grad_clip = cfg.train.epochs, cfg.optim.grad_clip
     profiler = StepProfiler(cfg, run.run_dir, run.env.rank, device, position.step)
     if validation.interrupted_at == position.step:  # preempted inside it: validate again
-        validate(run, mid_epoch=True)
+        validated(run, validate(run, mid_epoch=True))
     while (position.epoch < epochs and position.step < run.total_steps
            and not validation.stopped_early):
         model.train()
         training_log.start_epoch(resumed_within=position.step_in_epoch > 0)
         bar = progress_bar(run)
         for micro_batches in epoch_steps(run):
-            values, samples, grad_norm = train_step(model, optimizer, micro_batches, task,
-                                                    device, speed, scaler, grad_clip)
+            values, samples, grad_norm = step(model, optimizer, micro_batches, task, device,
+                                              speed, scaler, grad_clip)
             training_log.add_step(values, samples, grad_norm)
             scheduler.step()
             profiler.step()
@@ -84,7 +85,7 @@ def train_epochs(run: Run) -> None:
             if supervisor.should_stop():  # a preemption signal: every rank stops here
                 stop_for_preemption(run)
             if validation.due(position, data.steps_per_epoch, run.total_steps):
-                validate(run, mid_epoch=True)  # train.val_every_steps
+                validated(run, validate(run, mid_epoch=True))  # train.val_every_steps
                 model.train()
             if checkpointer.due(position.step):
                 run.save_mid_training()
@@ -94,10 +95,21 @@ def train_epochs(run: Run) -> None:
         training_log.end_training(position.step, lr())
         bar.close()
         if not validation.stopped_early:
-            validate(run)
+            validated(run, validate(run))
         if position.step_in_epoch >= data.steps_per_epoch:
             position.epoch, position.step_in_epoch = position.epoch + 1, 0
     profiler.close()
+
+
+def validated(run: Run, record: dict | None) -> None:
+    """What the loop does with a validation's record: stop for the preemption that cut it
+    short, keep a new best checkpoint, and say so when early stopping ends the run."""
+    if record is None:
+        stop_for_preemption(run)
+    if run.validation.judge(record) and run.validation.keep_best:
+        keep_best(run)
+    if run.validation.stopped_early:
+        log_early_stop(run.validation)
 
 
 def progress_bar(run: Run) -> tqdm:
@@ -108,4 +120,4 @@ def progress_bar(run: Run) -> tqdm:
 
 
 if __name__ == "__main__":
-    dist_utils.run_main(main)
+    lifecycle.run_main(main)

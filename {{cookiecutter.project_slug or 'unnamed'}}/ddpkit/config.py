@@ -1,289 +1,42 @@
-"""Experiment configuration: one typed schema holds every default.
+"""Experiment configuration: loading, merging and checking a run's settings.
 
 A run's configuration is built in three layers, each overriding the one before:
 
-    the dataclasses below  <-  configs/default.yaml (or --config FILE)  <-  key=value arguments
+    the schema (ddpkit/schema.py)  <-  configs/default.yaml (or --config FILE)  <-  key=value
 
-Unknown keys and values of the wrong type are rejected with one line that names the key.
-This module does not import torch, so `run.sh` can check a command line in a fraction of a
-second before it starts any worker (`python config.py --world-size 2 optim.lr=0.01`).
+Unknown keys and values of the wrong type are rejected with one line that names the key; the
+values are checked against what each setting declares in the schema, and the settings that
+depend on each other here. This module does not import torch, so `run.sh` can check a command
+line in a fraction of a second before it starts any worker (`python config.py --world-size 2
+optim.lr=0.01`).
 """
 
 import difflib
 import functools
 import math
+import os
 import sys
-from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
+import textwrap
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from ddpkit import recipes
 from ddpkit.project import PROJECT_DIR, UserError
+from ddpkit.schema import DECLARED, Config, declarations, schema
 
 DEFAULT_CONFIG_FILE = PROJECT_DIR / "configs" / "default.yaml"
 
-
-@dataclass
-class RunConfig:
-    name: str = "digits-mlp"  # prefix of the run folder's name
-    output_dir: str = "runs"  # run folders are created here
-    dir: str = ""  # use exactly this run folder instead of a new timestamped one
-    seed: int = 0  # model init and data order; the same on every rank
-
-
-# The data, model and task sections are extended by your classes in settings.py (see schema()):
-# a field declared there is a setting of that section like the ones below.
-@dataclass
-class DataConfig:
-    # A key of DATASETS: digits, digits_files, synthetic, images, breast_cancer, diabetes, or
-    # yours (data_sources.py); or module:function for a builder in another module.
-    dataset: str = "digits"
-    root: str = ""  # where a dataset read from disk lives ("": the dataset's own default)
-    augment: bool = True  # training-split augmentation, for datasets that have one
-    val_fraction: float = 0.15
-    test_fraction: float = 0.2
-    split_seed: int = 0  # fixes the train/val/test split, independent of run.seed
-    num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process)
-    worker_start_method: str = "forkserver"  # forkserver | spawn | fork (fork is unsafe with CUDA)
-    synthetic_samples: int = 2000  # synthetic and images
-    synthetic_features: int = 32  # synthetic
-    synthetic_classes: int = 4  # synthetic and images
-    image_size: int = 32  # images: 3 x image_size x image_size
-
-
-@dataclass
-class ModelConfig:
-    name: str = "mlp"  # a key of MODELS: mlp (any input) | cnn (image inputs), or yours (model.py)
-    hidden_dim: int = 256  # mlp: width of the hidden layers
-    channels: int = 32  # cnn: channels of the first convolution (doubling in each later one)
-    num_layers: int = 2  # mlp: hidden layers; cnn: resolution-halving convolutions
-    dropout: float = 0.1
-    batchnorm: bool = False  # BatchNorm after each hidden (mlp) or convolution (cnn) layer
-    sync_batchnorm: bool = False  # convert BatchNorm to SyncBatchNorm (statistics over all ranks)
-
-
-@dataclass
-class TaskConfig:
-    # What is predicted and how it is scored: a key of TASKS (multiclass, binary,
-    # regression, or yours) or module:Class; "": the task the dataset is made for.
-    name: str = ""
-    pos_weight: float = 1.0  # binary: weight of the positive class in the loss (1: unweighted)
-    # Dict samples: the key of the target; every other key reaches the model as a keyword argument
-    target_key: str = "target"
-
-
-@dataclass
-class OptimConfig:
-    # Any torch.optim optimizer by class name, case-insensitive (adamw, adam, sgd, rmsprop, ...),
-    # or a key of OPTIMIZERS (model.py). docs/optimization.md
-    name: str = "adamw"
-    lr: float = 0.002  # each parameter group's base rate (your groups may set their own)
-    # Biases and normalisation weights get none (or your groups' own, optim.param_groups)
-    weight_decay: float = 0.01
-    # The optimizer's other keyword arguments: optim.args.momentum=0.9 optim.args.nesterov=true
-    args: dict[str, Any] = field(default_factory=dict)
-    param_groups: str = ""  # a key of PARAM_GROUPS (model.py); "": decay / no-decay groups
-    warmup_steps: int = 20  # linear warmup from lr / warmup_steps to lr
-    # After warmup: cosine | linear | step | multistep | constant | plateau, or a key of
-    # SCHEDULES (model.py)
-    schedule: str = "cosine"
-    min_lr_ratio: float = 0.0  # the floor of every schedule, as a share of each group's lr
-    step_size: int = 0  # step: optimizer steps between decays (counted from step 0)
-    milestones: list[int] = field(default_factory=list)  # multistep: the steps that decay
-    gamma: float = 0.1  # step, multistep, plateau: the factor of each decay
-    plateau_patience: int = 2  # plateau: validations without improvement before a decay
-    grad_clip: float = 0.0  # clip the global gradient norm to this; 0: no clipping
-
-
-@dataclass
-class TrainConfig:
-    epochs: int = 30
-    global_batch_size: int = 64  # summed over all processes; each rank takes 1/world_size of it
-    grad_accum_steps: int = 1  # micro-batches per optimizer step (each rank: batch / this)
-    # Samples per process in one forward pass; 0: global batch / (processes x grad_accum_steps).
-    # Set, the accumulation steps follow from it at each world size (global / (processes x
-    # this)): an elastic job that shrinks keeps each process's memory and the global batch.
-    micro_batch_size: int = 0
-    max_steps: int = 0  # stop after this many optimizer steps; 0: run all epochs
-    log_every: int = 50  # steps between logged (and cross-rank reduced) training scalars
-    ckpt_every: int = 200  # steps between checkpoints; 0 saves only at the end
-    keep_checkpoints: int = 3  # keep the newest k checkpoints of a run; 0 keeps all
-    checkpoint_async: bool = False  # write checkpoints in the background; training goes on
-    resume: str = "auto"  # auto (this run's last checkpoint, if any) | never | <run or checkpoint>
-    device: str = "auto"  # auto (cuda when available) | cuda | cpu
-    progress_bar: bool = True  # tqdm bar on rank 0 when attached to a terminal
-    plot_curves: bool = True  # rank 0 draws <run>/curves.png (loss, metric, lr) at the end
-    # A smoke test in seconds: 2 training steps, a checkpoint, 1 validation and 1 test batch on
-    # every rank, in a temporary folder removed at the end; prints ok or the first error
-    fast_dev_run: bool = False
-    # Shorter epochs for short real runs: N >= 1 a number of batches, 0 < f < 1 a fraction of
-    # them, 0 all. Training: global batches (optimizer steps) per epoch; validation: batches of
-    # eval.batch_size per rank (its metrics are then those of the part seen)
-    limit_train_batches: float = 0.0
-    limit_val_batches: float = 0.0
-    # Validation (ddpkit/validation.py): after every epoch, and every N steps besides; 0: only
-    # at the end of each epoch
-    val_every_steps: int = 0
-    # Keep the checkpoint of the best validation (train.best_metric) beside the newest k
-    keep_best: bool = True
-    best_metric: str = ""  # a validation metric (accuracy, loss, ...); "": the task's headline
-    best_mode: str = "auto"  # auto (loss-like names lower, others higher) | max | min
-    early_stop_patience: int = 0  # stop after N validations without improvement; 0: never
-    early_stop_min_delta: float = 0.0  # the least change of best_metric that counts as one
-    export: str = "last"  # last | best: the weights model.pt is written from at the end
-
-
-@dataclass
-class ProfileConfig:
-    # torch.profiler over a few training steps: one trace per rank in <run>/profile/ (TensorBoard
-    # or https://ui.perfetto.dev), and the top operations printed by rank 0
-    enabled: bool = False
-    start_step: int = 10  # the first step recorded (the step before it warms the profiler up)
-    steps: int = 5  # steps recorded
-    memory: bool = True  # tensor allocations and frees (the memory view)
-    with_stack: bool = True  # the Python stack of every operation (larger traces)
-    top_ops: int = 15  # rows of the table printed at the end
-
-
-@dataclass
-class TrackingConfig:
-    # Experiment trackers beside TensorBoard, logged by rank 0 (trackers.py). One tracker run
-    # per job, continued after a restart, a resume or a requeue.
-    mlflow: bool = False  # needs pip install -e '.[mlflow]'
-    mlflow_uri: str = ""  # "": sqlite:///<run.output_dir>/mlflow.db (artifacts beside it)
-    wandb: bool = False  # needs pip install -e '.[wandb]'
-    wandb_mode: str = "auto"  # auto (online when logged in, else offline) | online | offline
-    project: str = ""  # MLflow experiment / W&B project; "": the project folder's name
-    run_name: str = ""  # "": the run folder's name
-    # A tracker call (MLflow / W&B) that takes longer is given up, and the tracker dropped for
-    # the rest of the run: a server that never answers does not hold training up.
-    timeout_seconds: float = 30.0
-
-
-@dataclass
-class DDPConfig:
-    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
-    timeout_minutes: float = 10.0  # a collective waiting longer than this fails instead of hanging
-    find_unused_parameters: bool = False  # needed only if forward skips some parameters
-    static_graph: bool = False  # same used parameters every step: lets DDP optimise
-    gradient_as_bucket_view: bool = True  # gradients alias DDP's buckets: saves a copy
-    # PyTorch's distributed debug mode for this run (TORCH_DISTRIBUTED_DEBUG=INFO, or DETAIL if
-    # the environment sets it): DDP names the parameters that got no gradient and logs its
-    # set-up and timing statistics
-    debug: bool = False
-
-
-@dataclass
-class ParallelConfig:
-    # ddp: every process holds the whole model, its gradients and optimizer state (settings in
-    # ddp.*) | fsdp: FSDP2, each process holds 1/N of them and gathers a block's weights while
-    # it runs: for models that do not fit one device
-    strategy: str = "ddp"
-    reshard_after_forward: bool = True  # fsdp: free gathered weights after forward (less memory)
-    cpu_offload: bool = False  # fsdp: keep the weight and optimizer shards in CPU memory
-
-
-@dataclass
-class SpeedConfig:
-    precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16
-    tf32: bool = True  # TensorFloat-32 for float32 matmuls and convolutions (Ampere+ GPUs only)
-    channels_last: bool | None = None  # null: auto (true for image batches on CUDA)
-    compile: bool = False  # torch.compile the model: faster steps after a slower first one
-    compile_mode: str = "default"  # default | reduce-overhead | max-autotune
-    # null: auto (true on CUDA and CPU): optim.name=adamw or adam in one kernel where torch has it
-    fused_adamw: bool | None = None
-
-
-@dataclass
-class EvalConfig:
-    checkpoint: str = ""  # a run folder, a checkpoint folder or a model.pt; "": the newest run
-    split: str = "test"  # test | val
-    batch_size: int = 256  # per process; evaluation has no global-batch semantics
-    output_dir: str = ""  # default: <run folder>/eval-<split>
-    save_predictions: bool = False  # also write predictions.npz (split order) for your own use
-    curve_points: int = 200  # points kept per curve in curves.json, plots and TensorBoard
-    plot_classes: int = 10  # multiclass plots: the classes with the lowest AP, plus micro average
-    # 0: exact metrics from every sample's row (memory: samples x row width per rank);
-    # N: constant memory, curves and AP counted at N score thresholds (splits of millions)
-    binned_thresholds: int = 0
-
-
-@dataclass
-class Config:
-    run: RunConfig = field(default_factory=RunConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    profile: ProfileConfig = field(default_factory=ProfileConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    ddp: DDPConfig = field(default_factory=DDPConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    speed: SpeedConfig = field(default_factory=SpeedConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-
-
-EXTENDED = {"data": (DataConfig, "DataSettings"), "model": (ModelConfig, "ModelSettings"),
-            "task": (TaskConfig, "TaskSettings")}
-
-
-@functools.cache
-def schema() -> type:
-    """Config with its data, model and task sections extended by your classes in settings.py
-    (yours come first; a name the template's section has too is the template's)."""
-    settings = recipes.load_settings()
-    sections = []
-    for name, (template, yours) in EXTENDED.items():
-        mine = getattr(settings, yours, None)
-        if not is_dataclass(mine):
-            raise UserError(f"settings.py must define the dataclass {yours} (keep it, even empty)")
-        section = dataclass(type(template.__name__, (template, mine), {}))
-        sections.append((name, section, field(default_factory=section)))
-    return make_dataclass("Config", sections, bases=(Config,))
-
-
-# The built-in schedules (ddpkit/schedules.py); optim.schedule may also name one of yours.
-SCHEDULE_NAMES = ("cosine", "linear", "step", "multistep", "constant", "plateau")
-CHOICES = {
-    "data.worker_start_method": ("forkserver", "spawn", "fork"),
-    "train.device": ("auto", "cuda", "cpu"),
-    "tracking.wandb_mode": ("auto", "online", "offline"),
-    "ddp.backend": ("auto", "nccl", "gloo"),
-    "parallel.strategy": ("ddp", "fsdp"),
-    "speed.precision": ("auto", "fp32", "bf16", "fp16"),
-    "speed.compile_mode": ("default", "reduce-overhead", "max-autotune"),
-    "eval.split": ("test", "val"),
-    "train.best_mode": ("auto", "max", "min"),
-    "train.export": ("last", "best"),
-}
-POSITIVE = (
-    "data.synthetic_samples", "data.synthetic_features", "data.image_size", "model.hidden_dim",
-    "model.channels",
-    "optim.lr",
-    "train.epochs", "train.global_batch_size", "train.grad_accum_steps", "train.log_every",
-    "profile.start_step", "profile.steps", "profile.top_ops",
-    "ddp.timeout_minutes", "task.pos_weight", "tracking.timeout_seconds",
-    "eval.batch_size", "eval.plot_classes",
-)
-NON_NEGATIVE = (
-    "data.num_workers", "model.num_layers", "optim.weight_decay", "optim.warmup_steps",
-    "optim.grad_clip", "optim.step_size", "optim.plateau_patience",
-    "train.ckpt_every", "train.max_steps", "train.micro_batch_size", "train.keep_checkpoints",
-    "eval.binned_thresholds",
-    "train.limit_train_batches", "train.limit_val_batches", "train.val_every_steps",
-    "train.early_stop_patience", "train.early_stop_min_delta",
-)
 TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string",
               bool | None: "true, false or null (null: chosen automatically)",
               list[int]: "a list of whole numbers, e.g. [100,200]",
               dict[str, Any]: "a mapping of names to values, e.g. optim.args.momentum=0.9"}
 
 # Old launchers (`python -m torch.distributed.launch`) append --local_rank=N / --local-rank=N.
-# torchrun puts the same value in LOCAL_RANK, which is what dist_utils reads.
+# torchrun puts the same value in LOCAL_RANK, which is what dist_utils reads. Deprecated, removed
+# in release 2.0.0 (CHANGELOG.md): torch deprecated that launcher for torchrun (torch 2.0).
 LAUNCHER_FLAGS = ("--local_rank", "--local-rank")
 
 
@@ -364,25 +117,21 @@ def parse_args(argv: list[str]) -> tuple[Path, list[str]]:
     return config_file, overrides
 
 
-SEEDS = ("run.seed", "data.split_seed")  # numpy takes seeds from 0 to 2**32 - 1
-MIN_TIMEOUT_MINUTES = 0.5  # the stall watchdog samples every few seconds: shorter is all noise
-
-
-def _check_numbers(cfg: DictConfig) -> None:
-    """Values every key must meet whatever its meaning: finite, seeds numpy takes."""
-    for key, value in _leaves(OmegaConf.to_container(cfg, resolve=False)):
+def _check_values(cfg: DictConfig, world_size: int | None) -> None:
+    """Each value against its declaration in the schema, then the settings that depend on each
+    other; with `world_size`, the batch split too."""
+    values = dict(_leaves(OmegaConf.to_container(cfg, resolve=False)))
+    for key, value in values.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"{key}={value} is not valid: it must be a finite number")
-    for key in SEEDS:
-        if not 0 <= OmegaConf.select(cfg, key) < 2**32:
-            raise UserError(f"{key}={OmegaConf.select(cfg, key)} is not valid: a seed must be "
-                            f"between 0 and {2**32 - 1}")
-    if not 0 <= cfg.model.dropout < 1:
-        raise UserError(f"model.dropout={cfg.model.dropout} is not valid: it must be at least 0 "
-                        "and below 1")
-    if cfg.ddp.timeout_minutes < MIN_TIMEOUT_MINUTES:
-        raise UserError(f"ddp.timeout_minutes={cfg.ddp.timeout_minutes} is too short: below "
-                        f"{MIN_TIMEOUT_MINUTES} every healthy step would be reported as a stall")
+    for key, declared in declarations().items():
+        if (problem := declared.problem(values.get(key))) is not None:
+            raise UserError(f"{key}={values[key]} is not valid: {problem}")
+    _check_together(cfg)
+    if cfg.train.max_steps:
+        check_profile_steps(cfg, cfg.train.max_steps)  # with the data known: run_setup too
+    if world_size is not None:
+        check_batch_divides(cfg, world_size)
 
 
 def _leaves(node: dict, prefix: str = ""):
@@ -394,48 +143,30 @@ def _leaves(node: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
-def _check_values(cfg: DictConfig, world_size: int | None) -> None:
-    _check_numbers(cfg)
-    for key, allowed in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            raise UserError(f"{key}={value} is not valid: choose one of {', '.join(allowed)}")
-    for key in POSITIVE:
-        if not OmegaConf.select(cfg, key) > 0:
-            raise UserError(f"{key}={OmegaConf.select(cfg, key)} is not valid: it must be > 0")
-    for key in NON_NEGATIVE:
-        if OmegaConf.select(cfg, key) < 0:
-            raise UserError(f"{key}={OmegaConf.select(cfg, key)} is not valid: it must be >= 0")
-    for key in ("data.val_fraction", "data.test_fraction"):
-        if not 0 < OmegaConf.select(cfg, key) < 1:
-            raise UserError(f"{key}={OmegaConf.select(cfg, key)} must be between 0 and 1")
-    if cfg.data.val_fraction + cfg.data.test_fraction >= 1:
+def _check_together(cfg: DictConfig) -> None:
+    """Settings whose values are fine alone but not with each other's."""
+    data, optim, parallel = cfg.data, cfg.optim, cfg.parallel
+    if data.val_fraction + data.test_fraction >= 1:
         raise UserError("data.val_fraction + data.test_fraction must leave samples to train on")
     if cfg.eval.save_predictions and cfg.eval.binned_thresholds:
         raise UserError("eval.save_predictions=true needs every sample's row, which "
                         "eval.binned_thresholds does not keep: set one of them to its default")
-    if cfg.parallel.strategy == "fsdp" and cfg.speed.precision == "fp16":
+    if parallel.strategy == "fsdp" and cfg.speed.precision == "fp16":
         raise UserError("parallel.strategy=fsdp does not take speed.precision=fp16 (its loss "
                         "scaler is not shard-aware): use speed.precision=bf16 or fp32")
-    if cfg.eval.curve_points < 2:
-        raise UserError(f"eval.curve_points={cfg.eval.curve_points} is not valid: it must be >= 2")
-    for key in ("train.limit_train_batches", "train.limit_val_batches"):
-        value = OmegaConf.select(cfg, key)
-        if value >= 1 and value != int(value):
-            raise UserError(f"{key}={value} is not valid: give a whole number of batches, a "
-                            "fraction below 1, or 0 for all of them")
     if cfg.train.export == "best" and not cfg.train.keep_best:
         raise UserError("train.export=best needs the best checkpoint: set train.keep_best=true, "
                         "or train.export=last")
-    if cfg.parallel.cpu_offload and cfg.parallel.strategy != "fsdp":
+    if parallel.cpu_offload and parallel.strategy != "fsdp":
         raise UserError("parallel.cpu_offload=true keeps FSDP's shards in CPU memory, which "
-                        f"parallel.strategy={cfg.parallel.strategy} does not have: set "
+                        f"parallel.strategy={parallel.strategy} does not have: set "
                         "parallel.strategy=fsdp, or leave parallel.cpu_offload=false")
-    if cfg.train.max_steps:
-        check_profile_steps(cfg, cfg.train.max_steps)  # with the data known: run_setup too
-    _check_schedule(cfg.optim)
-    if world_size is not None:
-        check_batch_divides(cfg, world_size)
+    if optim.schedule == "step" and not optim.step_size:
+        raise UserError("optim.schedule=step needs optim.step_size, the optimizer steps between "
+                        "decays, e.g. optim.step_size=1000")
+    if optim.schedule == "multistep" and not optim.milestones:
+        raise UserError("optim.schedule=multistep needs optim.milestones, the steps that decay, "
+                        "e.g. optim.milestones=[1000,2000]")
 
 
 def check_profile_steps(cfg: DictConfig, total_steps: int) -> None:
@@ -447,62 +178,22 @@ def check_profile_steps(cfg: DictConfig, total_steps: int) -> None:
                         "profile.start_step to a step of the run")
 
 
-def _check_schedule(optim: DictConfig) -> None:
-    """The schedule's numbers (its name is checked when it is built: yours live in model.py)."""
-    if not 0 <= optim.min_lr_ratio <= 1:
-        raise UserError(f"optim.min_lr_ratio={optim.min_lr_ratio} is not valid: it must be "
-                        "between 0 and 1 (a share of each group's learning rate)")
-    if not 0 < optim.gamma < 1:
-        raise UserError(f"optim.gamma={optim.gamma} is not valid: it must be above 0 and below 1 "
-                        "(the factor of each decay)")
-    milestones = list(optim.milestones)
-    if any(m <= 0 for m in milestones) or milestones != sorted(set(milestones)):
-        raise UserError(f"optim.milestones={milestones} is not valid: give increasing step "
-                        "numbers above 0, e.g. optim.milestones=[1000,2000]")
-    if optim.schedule == "step" and not optim.step_size:
-        raise UserError("optim.schedule=step needs optim.step_size, the optimizer steps between "
-                        "decays, e.g. optim.step_size=1000")
-    if optim.schedule == "multistep" and not milestones:
-        raise UserError("optim.schedule=multistep needs optim.milestones, the steps that decay, "
-                        "e.g. optim.milestones=[1000,2000]")
-
-
-# Settings that act only with another setting's value: (that setting, the values it acts with).
-# Given while that setting has another value, they cannot take effect: inactive_settings says so.
-ACTS_ONLY_WITH = {
-    "parallel.reshard_after_forward": ("parallel.strategy", ("fsdp",)),
-    "ddp.find_unused_parameters": ("parallel.strategy", ("ddp",)),
-    "ddp.static_graph": ("parallel.strategy", ("ddp",)),
-    "ddp.gradient_as_bucket_view": ("parallel.strategy", ("ddp",)),
-    "optim.step_size": ("optim.schedule", ("step",)),
-    "optim.milestones": ("optim.schedule", ("multistep",)),
-    "optim.gamma": ("optim.schedule", ("step", "multistep", "plateau")),
-    "optim.plateau_patience": ("optim.schedule", ("plateau",)),
-    "speed.compile_mode": ("speed.compile", (True,)),
-    "tracking.mlflow_uri": ("tracking.mlflow", (True,)),
-    "tracking.wandb_mode": ("tracking.wandb", (True,)),
-    "train.early_stop_min_delta": ("train.early_stop_patience", None),  # None: any but 0
-    **{f"profile.{key}": ("profile.enabled", (True,))
-       for key in ("start_step", "steps", "memory", "with_stack", "top_ops")},
-}
-
-
 def inactive_settings(cfg: DictConfig, given: list[str]) -> list[str]:
     """One line for each setting the command line (or a config file) gives that cannot take
-    effect with the others: a schedule's numbers under another schedule, a DDP option under
-    FSDP, a profiler setting with the profiler off. A schedule of yours may read any of them."""
+    effect with the others (its declaration's acts_with): a schedule's numbers under another
+    schedule, a DDP option under FSDP, a profiler setting with the profiler off. A value of
+    yours (a schedule in model.py) may read any of them: nothing is said then."""
     found = []
     for key in given:
-        if key not in ACTS_ONLY_WITH:
+        declared = declarations().get(key)
+        if declared is None or not declared.acts_with:
             continue
-        other, values = ACTS_ONLY_WITH[key]
+        other, *values = declared.acts_with
         value = OmegaConf.select(cfg, other)
-        if other == "optim.schedule" and value not in SCHEDULE_NAMES:
+        known = getattr(declarations().get(other), "known", ())
+        if (known and value not in known) or (value in values if values else value):
             continue
-        if value in values if values is not None else value:
-            continue
-        wanted = (" or ".join(str(v).lower() for v in values) if values is not None
-                  else "a value above 0")
+        wanted = " or ".join(str(v).lower() for v in values) if values else "a value above 0"
         found.append(f"{key}={OmegaConf.select(cfg, key)} has no effect with {other}="
                      f"{str(value).lower()}: it acts only with {other}={wanted}")
     return found
@@ -635,8 +326,62 @@ def config_from_dict(values: dict, source: str) -> DictConfig:
     return cfg
 
 
+YAML_HEADER = """\
+# Every setting of the template, its default and what it does. This file is written from the
+# schema, ddpkit/schema.py, by `python config.py --write-defaults`: change a setting there, not
+# here (tests/test_config.py fails when the two differ). Override any key on the command line:
+#   ./run.sh train.epochs=50 optim.lr=0.001
+# or put the keys you change in a file of your own and pass it with
+# --config configs/my_experiment.yaml: the keys it leaves out keep these defaults.
+# Settings of your own are declared and documented in settings.py.
+"""
+
+
+def default_yaml() -> str:
+    """configs/default.yaml: the schema's sections (not settings.py's), each section under its
+    docstring and each setting under its doc, in lines of at most 100 characters."""
+    wrap = functools.partial(textwrap.wrap, break_long_words=False, break_on_hyphens=False)
+    lines = [YAML_HEADER.rstrip("\n")]
+    for section in fields(Config):
+        lines += ["", *wrap(" ".join(section.type.__doc__.split()), width=100,
+                            initial_indent="# ", subsequent_indent="# ")]
+        lines.append(f"{section.name}:")
+        for setting in fields(section.type):
+            declared = setting.metadata[DECLARED]
+            doc = declared.doc + (f" One of: {', '.join(declared.choices)}."
+                                  if declared.choices else "")
+            lines += wrap(doc, width=100, initial_indent="  # ", subsequent_indent="  # ")
+            default = (setting.default_factory() if setting.default is MISSING
+                       else setting.default)
+            lines.append(f"  {setting.name}: {yaml_value(default)}")
+    return "\n".join(lines) + "\n"
+
+
+def yaml_value(value) -> str:
+    """A default as YAML writes it in flow style, on one line ("" for an empty string)."""
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=1000).split("\n")[0]
+    return '""' if text == "''" else text
+
+
+def write_defaults(path: Path = DEFAULT_CONFIG_FILE) -> None:
+    """Write configs/default.yaml from the schema, whole or not at all."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        temporary.write_text(default_yaml())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 def main(argv: list[str]) -> int:
-    """`python config.py [--world-size N] [--config FILE] [key=value ...]`: check, print YAML."""
+    """`python config.py [--world-size N] [--config FILE] [key=value ...]`: check, print YAML;
+    `python config.py --write-defaults`: write configs/default.yaml from the schema."""
+    if argv == ["--write-defaults"]:
+        write_defaults()
+        print(f"wrote {DEFAULT_CONFIG_FILE.relative_to(PROJECT_DIR)} from ddpkit/schema.py")
+        return 0
     world_size = None
     try:
         if argv[:1] == ["--world-size"]:
@@ -650,4 +395,3 @@ def main(argv: list[str]) -> int:
     if world_size is None:
         print(OmegaConf.to_yaml(cfg), end="")
     return 0
-

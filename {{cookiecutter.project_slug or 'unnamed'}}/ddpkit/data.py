@@ -4,8 +4,9 @@ A dataset builder (data_sources.py) returns `splits.Splits`: train, val and test
 `Dataset`s of any kind, in memory or read from disk, or as streams of shards
 (`streams.ShardedStream`, planned in ddpkit/streams.py). This module turns them into loaders:
 
-- training: `DistributedSampler` (or the builder's `Splits.train_sampler`) gives each rank a
-  disjoint 1/world_size of a shuffled order that is the same on every rank (same seed);
+- training: `ShuffledShard` (DistributedSampler's order, held as a tensor; or the builder's
+  `Splits.train_sampler`) gives each rank a disjoint 1/world_size of a shuffled order that is
+  the same on every rank (same seed);
   `DataModule.train_batches(epoch)` calls `set_epoch`, so the order changes each epoch, and can
   start part-way into an epoch for an exact resume;
 - evaluation: `EvalShardSampler` gives each rank a contiguous block of the split with no
@@ -127,6 +128,41 @@ class EvalShardSampler(Sampler[int]):
         return self.end - self.start
 
 
+class ShuffledShard(DistributedSampler):
+    """DistributedSampler's order, kept as a tensor instead of a list of Python ints.
+
+    The same indices in the same order for every (seed, epoch, rank), padding and drop_last
+    included, so a run and its resume see what they always saw. DistributedSampler makes the
+    whole epoch's order a Python list on every rank (about 40 bytes a sample: 40 MB for a
+    million samples, most of it held through the epoch); here the order takes 4 bytes a sample
+    while it is drawn, this rank's share of it after that, read out a chunk at a time."""
+
+    CHUNK = 4096  # indices made Python ints at a time
+
+    def __iter__(self):
+        n, ranks = len(self.dataset), self.num_replicas
+        # randperm draws the same permutation whatever its dtype (the swaps use the generator
+        # alone): int32 halves it wherever the indices fit.
+        dtype = torch.int32 if n < 2**31 else torch.int64
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=generator, dtype=dtype)
+        else:
+            order = torch.arange(n, dtype=dtype)
+        # This rank takes positions rank, rank + ranks, ... of DistributedSampler's padded
+        # order, whose position p is order[p % n] (the padding repeats the order from its
+        # start), or of the order cut to total_size (drop_last).
+        mine = order[self.rank:min(n, self.total_size):ranks].clone()
+        if self.total_size > n:  # the padding's positions that fall to this rank
+            first = min(self.rank + ranks * len(mine), self.total_size)
+            padding = torch.arange(first, self.total_size, ranks)
+            mine = torch.cat([mine, order[padding % n]])
+        del order
+        return itertools.chain.from_iterable(
+            map(torch.Tensor.tolist, torch.split(mine, self.CHUNK)))
+
+
 class SkipFirst(Sampler[int]):
     """A training sampler that can begin an epoch part-way, for an exact mid-epoch resume.
 
@@ -210,7 +246,7 @@ class DataModule:
                  train_env: DistEnv | None = None):
         self.cfg, self.env, self.device = cfg, env, device
         # The ranks the training split is sharded over: the job's, or with replica groups
-        # every group's processes (ddpkit/replicas.py); evaluation stays within `env`.
+        # every group's processes (extras/replicas); evaluation stays within `env`.
         self.train_env = train_env or env
         self.splits = build_splits(cfg)
         self.datasets = {"train": self.splits.train, "val": self.splits.val,
@@ -280,8 +316,8 @@ class DataModule:
                                 "must take as many as the others")
             return sampler
         # drop_last: the tail that does not divide among ranks is left out, not padded.
-        return DistributedSampler(splits.train, num_replicas=env.world_size, rank=env.rank,
-                                  shuffle=True, seed=seed, drop_last=splits.drop_last)
+        return ShuffledShard(splits.train, num_replicas=env.world_size, rank=env.rank,
+                             shuffle=True, seed=seed, drop_last=splits.drop_last)
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Sampler,
                 drop_last: bool = False) -> DataLoader:

@@ -32,11 +32,11 @@ from torch.utils.data import BatchSampler, DataLoader
 from ddpkit import dist_utils
 from ddpkit.config import UserError
 from ddpkit.data import EvalShardSampler, count_samples, map_tensors, to_device
-from ddpkit.dist_utils import Supervisor
 from ddpkit.models import call_model
 from ddpkit.parallel import is_sharded
 from ddpkit.speed import FLOAT32, Speed
 from ddpkit.streams import RankStream
+from ddpkit.supervisor import Supervisor
 from ddpkit.tasks import Task
 
 log = logging.getLogger("ddp")

@@ -5,9 +5,11 @@ The count is made once, before training, by `torch.utils.flop_counter` on a copy
 built on the meta device: one forward, loss and backward of a micro-batch of the real shapes,
 with no memory, no time on the device, and no effect on the real model, its BatchNorm statistics
 or the random generators. A model that cannot run on meta tensors (one that reads values, or
-Hugging Face models, whose attention masks are checked by value) is counted on a deep copy of
-the run's model on the CPU instead, up to MAX_COPY_BYTES of weights, the random generators put
-back afterwards. Matrix products and convolutions are counted (2 FLOPs per
+Hugging Face models, whose attention masks are checked by value) is counted on the run's model
+itself instead (up to MAX_COPY_BYTES of weights), which is then put back as it was: its
+gradients, buffers (BatchNorm statistics), training mode and the random generators. (A copy of
+the model would hold a second set of weights while it runs.) Matrix products and convolutions
+are counted (2 FLOPs per
 multiply-add), including the backward's gradients of weights and of inputs; element-wise work,
 the optimizer and communication are not: this is the usual "model FLOPs" of MFU.
 
@@ -16,7 +18,6 @@ precision, from PEAK_TFLOPS. A device missing from the table is reported as unkn
 datasheet's dense (not sparse) numbers to report it.
 """
 
-import copy
 import itertools
 import logging
 from collections.abc import Callable
@@ -76,12 +77,13 @@ def count_training_flops(build: Callable[[], nn.Module], forward_and_loss, batch
     return counter.get_total_flops()
 
 
-MAX_COPY_BYTES = 2 * 1024**3  # a larger model is not copied to be counted
+MAX_COPY_BYTES = 2 * 1024**3  # a larger model is not counted in place (its gradients' memory)
 
 
-def count_on_copy(model: nn.Module, forward_and_loss, batch) -> int | None:
-    """FLOPs of one forward, loss and backward of `batch` through a deep copy of `model` (on
-    the device it is on); None for a model over MAX_COPY_BYTES or one that fails."""
+def count_in_place(model: nn.Module, forward_and_loss, batch) -> int | None:
+    """FLOPs of one forward, loss and backward of `batch` through `model` itself (on the device
+    it is on), which is then put back as it was: its gradients, buffers, each module's training
+    mode, and the random generators. None for a model over MAX_COPY_BYTES or one that fails."""
     from torch.utils.flop_counter import FlopCounterMode
 
     size = sum(tensor.numel() * tensor.element_size()
@@ -89,14 +91,27 @@ def count_on_copy(model: nn.Module, forward_and_loss, batch) -> int | None:
     if size > MAX_COPY_BYTES:
         return None
     counter = FlopCounterMode(display=False)
-    with torch.random.fork_rng(devices=[]):  # dropout in the copy leaves the run's RNG as it was
+    parameters = list(model.parameters())
+    gradients = [parameter.grad for parameter in parameters]  # None before training
+    buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
+    modes = [(module, module.training) for module in model.modules()]  # some may be frozen
+    with torch.random.fork_rng(devices=[]):  # dropout leaves the run's RNG as it was
         try:
-            twin = copy.deepcopy(model)
-            twin.train()
+            for parameter in parameters:  # the count's gradients are new tensors, dropped after
+                parameter.grad = None
+            model.train()
             with counter:
-                forward_and_loss(twin, batch).backward()
+                forward_and_loss(model, batch).backward()
         except Exception:
             return None
+        finally:
+            with torch.no_grad():
+                for parameter, gradient in zip(parameters, gradients, strict=True):
+                    parameter.grad = gradient
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            for module, training in modes:
+                module.train(training)
     return counter.get_total_flops()
 
 
@@ -114,11 +129,11 @@ def peak_flops(device: torch.device, precision: str, tf32: bool) -> tuple[float 
     return None, name
 
 
-def describe(flops_per_sample: float | None, peak: float | None, device_name: str,
+def describe_flops(flops_per_sample: float | None, peak: float | None, device_name: str,
              device: torch.device) -> str:
     if flops_per_sample is None:
-        return ("model FLOPs: not counted (the model runs neither on the meta device nor as a "
-                f"copy of up to {MAX_COPY_BYTES / 1024**3:g} GiB on the CPU)")
+        return ("model FLOPs: not counted (the model runs neither on the meta device nor, up "
+                f"to {MAX_COPY_BYTES / 1024**3:g} GiB of weights, itself on the CPU)")
     text = f"model FLOPs: {flops_per_sample / 1e9:.4g} GFLOP per training sample"
     if peak:
         return f"{text}; MFU against the {peak / 1e12:.0f} TFLOP/s peak of {device_name}"

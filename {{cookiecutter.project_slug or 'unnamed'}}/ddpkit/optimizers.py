@@ -158,7 +158,7 @@ def fused_supported(params: list[torch.Tensor]) -> bool:
     return all(p.device.type in devices and p.is_floating_point() for p in params)
 
 
-def describe(optimizer: torch.optim.Optimizer, default_groups: bool = True) -> str:
+def describe_optimizer(optimizer: torch.optim.Optimizer, default_groups: bool = True) -> str:
     """One line: the optimizer, whether fused, its base rates and where weight decay applies."""
     name = type(optimizer).__name__
     if optimizer.defaults.get("fused"):

@@ -28,10 +28,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.checkpoint import rng_state, set_rng_state
 from ddpkit.config import lookup
 from ddpkit.dist_utils import DistEnv
 from ddpkit.models import MODELS, check_keyword_inputs
+from ddpkit.position import rng_state, set_rng_state
 from ddpkit.speed import Speed
 
 

@@ -1,20 +1,23 @@
-"""Checks run.sh makes before torchrun starts a single worker: each problem is one line, exit 2.
+"""The checks made before torchrun starts a single worker (run.sh's launcher.py, and sweeps, call
+`preflight`): each problem is one line, exit 2.
 
     python -m ddpkit.preflight --nproc-per-node N --nnodes M|MIN:MAX [--script train.py]
                         [--endpoint HOST:PORT --node-rank R --rdzv-conf K=V,...]
                         [--config FILE] [key=value ...]
 
-It compiles the files of your own (a syntax error would otherwise stop every rank, and every
-restart, with its own traceback), checks the config (and, for train.py, that the global batch
-splits over N x M processes, or over every world size an elastic MIN:MAX job can take), that
-this machine has the GPUs the processes need, that ddp.backend=nccl has CUDA to run on, and that
-the rendezvous port of a multi-node job is free on the head node (R = 0), or held by the job's
-rendezvous when the node rank is not given, and that torchrun can read RDZV_CONF's values (a key
-it does not read is a warning). torch is imported only on a machine with NVIDIA devices or a
-taken port, or for a setting given that names something in torch or in your files (optim.name,
-optim.schedule, train.best_metric, ...), so a plain launch on a CPU machine takes a fraction of
-a second.
+checks the command line and this machine: it compiles the files of
+your own (a syntax error would otherwise stop every rank, and every restart, with its own
+traceback), checks the config (and, for train.py, that the global batch splits over N x M
+processes, or over every world size an elastic MIN:MAX job can take), that this machine has the
+GPUs the processes need, that ddp.backend=nccl has CUDA to run on, and that the rendezvous port of
+a multi-node job is free on the head node (R = 0), or held by the job's rendezvous when the node
+rank is not given, and that torchrun can read RDZV_CONF's values (a key it does not read is a
+warning). torch is imported only on a machine with NVIDIA devices or a taken port, or for a
+setting given that names something in torch or in your files (optim.name, optim.schedule,
+train.best_metric, ...), so a plain launch on a CPU machine takes a fraction of a second.
 """
+
+from __future__ import annotations  # (a Python too old to run the project gets its one line)
 
 import datetime
 import difflib
@@ -26,7 +29,8 @@ import sys
 import threading
 from pathlib import Path
 
-from ddpkit import replicas
+# Nothing but the standard library here (these two import only it): the launcher looks up the
+# project's packages before anything imports one; the checks below import them when they run.
 from ddpkit.project import PROJECT_DIR
 from ddpkit.recipes import RECIPES, SETTINGS
 
@@ -131,7 +135,8 @@ def check_named_settings(cfg, given: list[str]) -> None:
     if not any(key.startswith(NAMED_SETTINGS) for key in given):
         return
     from ddpkit import recipes
-    from ddpkit.config import SCHEDULE_NAMES, UserError, lookup
+    from ddpkit.config import UserError, lookup
+    from ddpkit.schema import SCHEDULE_NAMES
 
     try:
         recipes.load()
@@ -194,10 +199,9 @@ def check_rdzv_conf(text: str) -> list[str]:
 
 
 def preflight(argv: list[str]) -> None:
-    options = {"--nproc-per-node": "1", "--nnodes": "1", "--script": "train.py",
-               "--endpoint": "", "--node-rank": "", "--rdzv-conf": ""}
-    while argv and argv[0] in options:
-        options[argv[0]], argv = argv[1], argv[2:]
+    options, argv = leading_options(argv, {
+        "--nproc-per-node": "1", "--nnodes": "1", "--script": "train.py", "--endpoint": "",
+        "--node-rank": "", "--rdzv-conf": ""})
     nproc = int(options["--nproc-per-node"])
     low, _, high = options["--nnodes"].partition(":")
     nodes = range(int(low), int(high or low) + 1)  # an elastic job: any count in MIN..MAX
@@ -229,8 +233,19 @@ def preflight(argv: list[str]) -> None:
                       f"{gpus}: set NPROC_PER_NODE={gpus} (or use more nodes)")
     if nodes[-1] > 1 and options["--endpoint"]:
         check_rendezvous_port(options["--endpoint"], options["--node-rank"])
-    if training and (problem := replicas.launch_problem()):  # torchft and its lighthouse
-        raise Refused(problem)
+    if training and "REPLICA_GROUP" in os.environ:  # torchft installed, its lighthouse there
+        from ddpkit.extras.replicas.launch import launch_problem
+
+        if problem := launch_problem():
+            raise Refused(problem)
+
+
+def leading_options(argv: list[str], defaults: dict[str, str]) -> tuple[dict[str, str], list]:
+    """The options of `defaults` at the start of argv (each with its value), and the rest."""
+    options = dict(defaults)
+    while argv and argv[0] in options:
+        options[argv[0]], argv = argv[1], argv[2:]
+    return options, argv
 
 
 def main(argv: list[str]) -> int:

@@ -15,6 +15,8 @@ SETTINGS = "settings"  # read by the config schema; kept free of torch (run.sh c
 RECIPES = ("model", "data_sources", "tasks")
 
 # Engine modules that moved into this package, and what a recipe file imports instead.
+# Deprecated, removed in release 2.0.0 (CHANGELOG.md): the move predates release 1.0.0, and a
+# project baked before it rewrites its imports when it takes a 1.x release (docs/updates.md).
 MOVED = {"builtin_models": "ddpkit.models", "builtin_datasets": "ddpkit.datasets",
          "builtin_tasks": "ddpkit.tasks", "splits": "ddpkit.splits", "config": "ddpkit.config"}
 

@@ -6,7 +6,8 @@
 Each run is read from its own files: train_log.jsonl (a line per logged window of steps),
 metrics.jsonl (a line per epoch) and summary.json (the task's headline metric, whether higher
 is better, how the run ended). A training run calls `plot_runs` for itself at its end
-(run_end.py: <run>/curves.png); sweep.py uses `comparison` and `write_table` for its summary.
+(run_end.py: <run>/curves.png); a sweep's summary (extras/sweep/summary.py) uses `rank`,
+`markdown_table` and `write_table`.
 """
 
 import argparse

@@ -8,9 +8,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 
-from ddpkit.config import SCHEDULE_NAMES, UserError
+from ddpkit.config import UserError
 from ddpkit.optimizers import optimizer_args
 from ddpkit.run_state import Run
+from ddpkit.schema import SCHEDULE_NAMES
 
 log = logging.getLogger("ddp")
 

@@ -7,7 +7,9 @@ import json
 import logging
 from pathlib import Path
 
-from ddpkit import checkpoint, dist_utils, report
+from ddpkit import checkpoint, dist_utils, report, supervisor, writes
+from ddpkit.checkpoint_files import MODEL_FILE
+from ddpkit.checkpoint_load import read_model
 from ddpkit.parallel import ModelState
 from ddpkit.run_state import Run
 
@@ -29,7 +31,7 @@ def write_summary(run: Run, status: str) -> None:
         values = history.val_values()
         summary.update({"metric": f"val_{history.headline}", "best": history.best(),
                         "last": values[-1] if values else None})
-    checkpoint.write_text(run.run_dir / report.SUMMARY_FILE, json.dumps(summary, indent=1))
+    writes.write_text(run.run_dir / report.SUMMARY_FILE, json.dumps(summary, indent=1))
 
 
 def finish(run: Run, status: str) -> None:
@@ -55,7 +57,7 @@ def end_run(run: Run) -> None:
         finish(run, "done")
     log.info(run.training_log.describe_throughput())
     log.info("done: checkpoints in %s, the final model in %s, TensorBoard logs in %s",
-             run.run_dir / "checkpoints", run.run_dir / checkpoint.MODEL_FILE, run.run_dir / "tb")
+             run.run_dir / "checkpoints", run.run_dir / MODEL_FILE, run.run_dir / "tb")
     log.info("evaluate with: ./run.sh evaluate.py eval.checkpoint=%s", run.run_dir)
 
 
@@ -66,10 +68,12 @@ def stop_for_preemption(run: Run) -> None:
     run.training_log.close()
     with dist_utils.agree_on_errors():
         finish(run, "preempted")
+    from ddpkit.extras.elastic import stopped_by_torchrun
+
     then = ("torchrun starts the workers again from there (a node joined or left the "
-            "elastic job)" if dist_utils.stopped_by_torchrun()
+            "elastic job)" if stopped_by_torchrun()
             else "run the same command again to continue from there")
-    raise dist_utils.Preempted(f"saved step {run.position.step} in {run.run_dir}; {then}")
+    raise supervisor.Preempted(f"saved step {run.position.step} in {run.run_dir}; {then}")
 
 
 @contextlib.contextmanager
@@ -78,7 +82,7 @@ def summary_on_failure(run: Run):
     "interrupted" (Ctrl-C); a preemption has written "preempted" itself."""
     try:
         yield
-    except dist_utils.Preempted:
+    except supervisor.Preempted:
         raise
     except BaseException as error:
         if run.env.is_main:
@@ -108,12 +112,12 @@ def export(run: Run) -> None:
         run.exported = {"from": "best", "step": run.validation.best["step"]}
         with dist_utils.agree_on_errors():
             if run.env.is_main:
-                checkpoint.export_model(checkpoint.read_model(Path(best)), run.run_dir
-                                        / checkpoint.MODEL_FILE, run.exported["step"], run.cfg)
+                checkpoint.export_model(read_model(Path(best)), run.run_dir
+                                        / MODEL_FILE, run.exported["step"], run.cfg)
         return
     run.exported = {"from": "last", "step": run.position.step}
     weights = ModelState(run.model, whole=True).state_dict()
     with dist_utils.agree_on_errors():
         if run.env.is_main:
-            checkpoint.export_model(weights, run.run_dir / checkpoint.MODEL_FILE,
+            checkpoint.export_model(weights, run.run_dir / MODEL_FILE,
                                     run.position.step, run.cfg)

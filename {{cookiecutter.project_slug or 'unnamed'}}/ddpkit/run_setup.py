@@ -1,35 +1,45 @@
 """Building a run: the config, the process group, the run folder, data, task, model, optimizer
 and schedule, restored from a checkpoint when there is one to resume (start_run); and the lines
-that describe it (describe)."""
+that describe it (describe_run)."""
 
+import dataclasses
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ddpkit import checkpoint, dist_utils, flops, optimizers, replicas, trackers, validation
-from ddpkit.checkpoint import Position, RunDir
-from ddpkit.config import (
-    SCHEDULE_NAMES,
-    check_profile_steps,
-    given_keys,
-    inactive_settings,
-    load_config,
+from ddpkit import (
+    __version__,
+    checkpoint,
+    checkpoint_files,
+    checkpoint_load,
+    dist_utils,
+    flops,
+    lifecycle,
+    optimizers,
+    run_folder,
+    supervisor,
+    validation,
+    writes,
 )
+from ddpkit.config import check_profile_steps, given_keys, inactive_settings, load_config
 from ddpkit.data import DataModule
 from ddpkit.parallel import build_model, wrap_model
+from ddpkit.position import Position
 from ddpkit.resume_settings import apply_changed_settings, refuse_fixed_settings
 from ddpkit.run_end import write_summary
+from ddpkit.run_folder import RunDir
 from ddpkit.run_state import Run
 from ddpkit.schedules import build_schedule, schedule_builder
+from ddpkit.schema import SCHEDULE_NAMES
 from ddpkit.smoke import smoke_test_config
-from ddpkit.speed import Speed, grad_scaler, resolve_speed
-from ddpkit.speed import describe as describe_speed
+from ddpkit.speed import Speed, describe_speed, grad_scaler, resolve_speed
 from ddpkit.tasks import Task, build_task, check_best_metric
 from ddpkit.training_log import TrainingLog
-from ddpkit.utilization import count_flops, peak_flops
+from ddpkit.utilization import count_flops, run_peak_flops
 
 log = logging.getLogger("ddp")
 
@@ -38,10 +48,15 @@ def start_run(argv: list[str]) -> Run:
     """Config, process group, run folder, data, task, model, optimizer; resumed if there is a
     checkpoint to resume. Bad input is one line from rank 0, and leaves no run folder behind."""
     cfg, env, device, groups = start_processes(argv)
-    with dist_utils.agree_on_errors():
-        ft = replicas.ReplicaGroups(*groups, env, device, cfg) if groups else None
-    folder = checkpoint.open_run_dir(cfg, env, groups[0] if groups else None)
-    train_env = replicas.data_env(env, groups)
+    ft = None
+    if groups:  # one of torchft's replica groups (extras/replicas)
+        from ddpkit.extras.replicas.groups import ReplicaGroups
+
+        with dist_utils.agree_on_errors():
+            ft = ReplicaGroups(*groups, env, device, cfg)
+        env = dataclasses.replace(env, leads=ft.leads)  # the group that writes changes
+    folder = run_folder.open_run_dir(cfg, env, groups[0] if groups else None)
+    train_env = training_env(env, groups)
     try:
         with dist_utils.agree_on_errors():  # bad input stops every rank together, reported once
             torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP syncs too)
@@ -55,8 +70,9 @@ def start_run(argv: list[str]) -> Run:
                                 task.model_inputs(data.sample_batch()))
             speed = resolve_speed(cfg, device, input_shape)
             check_optim(cfg)
-            trackers.check_installed(cfg)
-        resume_from, saved_config = checkpoint_to_resume(cfg, folder.path)
+            if tracking_on(cfg):
+                trackers().check_installed(cfg)
+        resume_from, saved_config = resume_point(cfg, folder.path)
     except BaseException:
         folder.discard_if_unused()  # a launch that failed before training leaves no folder
         raise
@@ -69,19 +85,14 @@ def start_run(argv: list[str]) -> Run:
     run = assemble(cfg, env, device, data, task, speed, model, input_shape, folder.path,
                    resumed=resume_from is not None)
     if resume_from:
-        restore(run, folder, resume_from, saved_config)
+        resume(run, folder, resume_from, saved_config)
     elif not folder.created:  # restarted before its first checkpoint: it logs from step 1 again
         run.training_log.resume(run.position, truncate=True)
     if ft:  # the live replica groups: this one's gradients averaged with theirs, healed by them
-        run.replicas = ft
-        healed = ft.join(run)
-        if ft.leads() and not healed and (resume_from or not folder.created):
-            run.training_log.resume(run.position, truncate=run.position.step < run.total_steps)
-        elif healed:
-            run.training_log.resume(run.position, truncate=False)
+        ft.join(run, resumed=bool(resume_from) or not folder.created)
     with dist_utils.agree_on_errors():  # a full disk is one line, not a traceback on rank 0
         if env.is_main:
-            checkpoint.write_text(folder.path / "config.yaml", OmegaConf.to_yaml(cfg))
+            writes.write_text(folder.path / "config.yaml", OmegaConf.to_yaml(cfg))
             write_summary(run, "running")
     if run.trackers:  # before step 1: the tracker run exists (or its failure is said) at once
         run.trackers.start()
@@ -93,17 +104,48 @@ def start_processes(argv: list[str]
     """The config (cut down to a smoke test for train.fast_dev_run), logging, the device, the
     process group, and (this group, groups) when the job is one of torchft's replica groups."""
     env = dist_utils.get_dist_env()
-    groups = replicas.from_environment()
-    cfg = load_config(argv, world_size=replicas.data_env(env, groups).world_size)
+    groups = replica_groups()
+    cfg = load_config(argv, world_size=training_env(env, groups).world_size)
     dist_utils.setup_logging(env)
     if cfg.train.fast_dev_run:
-        dist_utils.no_retries()
+        lifecycle.no_retries()
         cfg = smoke_test_config(cfg)
     if cfg.ddp.debug:
         dist_utils.debug_mode()
     device = dist_utils.select_device(env, cfg.train.device)
     dist_utils.init_distributed(env, device, cfg.ddp.backend, cfg.ddp.timeout_minutes)
     return cfg, env, device, groups
+
+
+def replica_groups() -> tuple[int, int] | None:
+    """(this group, groups) when run.sh launched this job as one of torchft's replica groups
+    (REPLICA_GROUP set); their code (extras/replicas) is imported only then."""
+    if "REPLICA_GROUP" not in os.environ:
+        return None
+    from ddpkit.extras.replicas.launch import from_environment
+
+    return from_environment()
+
+
+def training_env(env: dist_utils.DistEnv, groups: tuple[int, int] | None) -> dist_utils.DistEnv:
+    """The ranks the training data is split over: the job's, or every replica group's."""
+    if groups is None:
+        return env
+    from ddpkit.extras.replicas.launch import data_env
+
+    return data_env(env, groups)
+
+
+def tracking_on(cfg: DictConfig) -> bool:
+    """Whether the config turns an experiment tracker on (MLflow, W&B)."""
+    return bool(cfg.tracking.mlflow or cfg.tracking.wandb)
+
+
+def trackers():
+    """ddpkit.extras.trackers, imported only for a run that tracks (tracking_on)."""
+    from ddpkit.extras import trackers
+
+    return trackers
 
 
 def check_optim(cfg: DictConfig) -> None:
@@ -130,15 +172,15 @@ def settings_without_effect(cfg: DictConfig, argv: list[str], total_steps: int) 
     return notes
 
 
-def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> tuple[Path | None, dict | None]:
+def resume_point(cfg: DictConfig, run_dir: Path) -> tuple[Path | None, dict | None]:
     """The checkpoint this run resumes (None: a new run) and the config it was written with;
     a changed setting that a resume cannot honour is one line."""
-    resume_from = checkpoint.chosen_by_rank_0(
-        functools.partial(checkpoint.checkpoint_to_resume, cfg, run_dir))
+    resume_from = checkpoint_files.chosen_by_rank_0(
+        functools.partial(checkpoint_files.checkpoint_to_resume, cfg, run_dir))
     saved_config = None
     if resume_from:
         with dist_utils.agree_on_errors():  # a damaged checkpoint: one line, nothing wrapped
-            saved_config = checkpoint.load_checkpoint(resume_from).get("config")
+            saved_config = checkpoint_load.load_checkpoint(resume_from).get("config")
             refuse_fixed_settings(cfg, saved_config, resume_from)
     return resume_from, saved_config
 
@@ -155,26 +197,26 @@ def assemble(cfg: DictConfig, env: dist_utils.DistEnv, device: torch.device, dat
         optimizer = optimizers.build_optimizer(model, cfg, speed.fused_adamw)
         scheduler, plateau = build_schedule(optimizer, cfg, total_steps,
                                             task.higher_is_better)
-    tracked = trackers.Trackers(cfg, run_dir) if env.is_main and trackers.enabled(cfg) else None
+    tracked = trackers().Trackers(cfg, run_dir) if env.is_main and tracking_on(cfg) else None
     training_log = TrainingLog(run_dir, env, device, tracked, log_every=cfg.train.log_every)
     training_log.flops_per_sample = flops_per_sample
-    training_log.peak_flops = peak_flops(cfg, device, speed)[0]
+    training_log.peak_flops = run_peak_flops(cfg, device, speed)[0]
     return Run(cfg, env, device, data, task, speed, model, optimizer, scheduler,
                grad_scaler(speed, device), training_log, run_dir, Position(), total_steps,
-               resumed=resumed, supervisor=dist_utils.Supervisor(env, cfg.ddp.timeout_minutes),
+               resumed=resumed, supervisor=supervisor.Supervisor(env, cfg.ddp.timeout_minutes),
                checkpointer=checkpoint.Checkpointer(run_dir, cfg, env), trackers=tracked,
                plateau=plateau, validation=validation.Validation(cfg, task))
 
 
-def restore(run: Run, folder: RunDir, resume_from: Path, saved_config: dict | None) -> None:
+def resume(run: Run, folder: RunDir, resume_from: Path, saved_config: dict | None) -> None:
     """The run put back where the checkpoint left it, this run's changed settings in effect."""
     try:
         with dist_utils.agree_on_errors():  # into the wrapped model: each rank its part
-            run.position = checkpoint.restore(resume_from, run.parts(), run.env)
+            run.position = checkpoint_load.restore_parts(resume_from, run.parts(), run.env)
     except BaseException:
         folder.discard_if_unused()
         raise
-    checkpoint.release(resume_from)  # read on every rank: this run's saves may prune it
+    checkpoint_files.release(resume_from)  # read on every rank: this run's saves may prune it
     run.checkpointer.last_saved = run.position.step  # saved already: not again at the end
     validation.restored(run)  # the best checkpoint kept again
     run.training_log.resume(run.position, truncate=run.position.step < run.total_steps)
@@ -183,10 +225,10 @@ def restore(run: Run, folder: RunDir, resume_from: Path, saved_config: dict | No
              run.position.step, run.position.epoch + 1, run.position.step_in_epoch)
 
 
-def describe(run: Run) -> None:
+def describe_run(run: Run) -> None:
     """What runs where: the folder, the processes and devices, the batch, the FLOPs."""
     cfg, env, data = run.cfg, run.env, run.data
-    log.info("run folder: %s", run.run_dir)
+    log.info("run folder: %s | template release %s", run.run_dir, __version__)
     log.info("%d process(es) on %s, backend %s, %s | %s task, %d outputs | %d steps per epoch, "
              "%d steps", env.world_size, run.device, dist_utils.backend_name(),
              describe_speed(run.speed), cfg.task.name or data.splits.task, run.task.num_outputs,
@@ -198,10 +240,10 @@ def describe(run: Run) -> None:
              f" in {run.replicas.groups} replica groups" if run.replicas else "",
              data.grad_accum_steps)
     optimizer = getattr(run.optimizer, "optimizer", run.optimizer)  # a replica group's voted one
-    log.info("%s | %s", optimizers.describe(optimizer, not cfg.optim.param_groups),
+    log.info("%s | %s", optimizers.describe_optimizer(optimizer, not cfg.optim.param_groups),
              describe_schedule(cfg, run.plateau is not None))
-    peak, device_name = peak_flops(cfg, run.device, run.speed)
-    log.info(flops.describe(run.training_log.flops_per_sample, peak, device_name, run.device))
+    peak, device_name = run_peak_flops(cfg, run.device, run.speed)
+    log.info(flops.describe_flops(run.training_log.flops_per_sample, peak, device_name, run.device))
 
 
 def describe_schedule(cfg: DictConfig, plateau: bool) -> str:

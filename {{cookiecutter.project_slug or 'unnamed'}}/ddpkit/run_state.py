@@ -3,14 +3,14 @@ learner's work of one step (train_step, forward_backward, epoch_steps)."""
 
 import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
-from ddpkit import checkpoint, dist_utils, trackers
-from ddpkit.checkpoint import Position
+from ddpkit import checkpoint, dist_utils
 from ddpkit.data import DataModule, count_samples, detached, to_device
 from ddpkit.evaluation import loss_terms
 from ddpkit.models import call_model
@@ -22,7 +22,9 @@ from ddpkit.parallel import (
     skip_gradient_sync,
     with_rank0_buffers,
 )
+from ddpkit.position import Position
 from ddpkit.speed import FLOAT32, Speed
+from ddpkit.supervisor import Supervisor
 from ddpkit.tasks import Task
 from ddpkit.training_log import TrainingLog
 
@@ -47,16 +49,18 @@ class Run:
     position: Position
     total_steps: int
     resumed: bool
-    supervisor: dist_utils.Supervisor  # preemption signals and stalls
+    supervisor: Supervisor  # preemption signals and stalls
     checkpointer: checkpoint.Checkpointer  # knows when a checkpoint is due, and the last saved
-    trackers: trackers.Trackers | None  # MLflow / W&B, rank 0 only, when the config asks
+    trackers: object | None  # extras.trackers.Trackers: MLflow / W&B, rank 0 only, if asked
     # optim.schedule=plateau: stepped after each validation with the headline metric
     plateau: torch.optim.lr_scheduler.ReduceLROnPlateau | None = None
     buckets_settled: bool = False  # resumed: see epoch_steps
     evaluated: torch.nn.Module | None = None  # parallel.for_evaluation's, when compiling
     validation: object = None  # validation.Validation: the cadence, the best, early stopping
     exported: dict | None = None  # which weights model.pt holds: {"from": last | best, "step"}
-    replicas: object = None  # replicas.ReplicaGroups: this job is one of torchft's replica groups
+    replicas: object = None  # extras.replicas.groups.ReplicaGroups: one of torchft's replica groups
+    # A step of the extras' own in place of train_step (replica groups: each update voted on)
+    train_step: Callable | None = None
 
     def parts(self) -> dict:
         """Everything a checkpoint saves and a resume restores, by name."""
@@ -89,11 +93,7 @@ class Run:
             self.plateau.step(record[f"val_{self.task.headline}"])
 
     def save(self) -> None:
-        """A checkpoint of where training is (collective); with replica groups, the leading
-        group's alone (the others hold the same state)."""
-        if self.replicas is not None and not self.replicas.leads():
-            self.checkpointer.last_saved = self.position.step
-            return
+        """A checkpoint of where training is (collective)."""
         self.checkpointer.save(self.parts(), self.position, self.cfg)
 
     def save_mid_training(self) -> None:
@@ -124,49 +124,45 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     """One optimizer step over this rank's micro-batches. Returns the step's logged values
     (means over its samples: the loss, its named terms, the task's train_scalars), its sample
     count, and the gradient norm before clipping (None without clipping). Tensors stay on the
-    device: reading them would make the CPU wait for the GPU.
+    device: reading them would make the CPU wait for the GPU."""
+    optimizer.zero_grad(set_to_none=True)
+    values, samples = compute_gradients(model, micro_batches, task, device, speed, scaler)
+    return values, samples, apply_gradients(model, optimizer, scaler, grad_clip)
+
+
+def compute_gradients(model, micro_batches, task, device, speed, scaler
+                      ) -> tuple[dict[str, torch.Tensor], int]:
+    """Forward and backward of the step's micro-batches: the gradients, averaged over the ranks
+    (DDP's all-reduce, or FSDP's reduce-scatter); the logged values and the sample count.
 
     With several micro-batches (gradient accumulation) the gradients are all-reduced once, on
     the last one: the others run forward *and* backward inside no_sync(), since DDP decides in
-    forward whether the coming backward will communicate.
-
-    With replica groups (ddpkit/replicas.py) the optimizer votes: when a group was lost during
-    the step, no update was applied, and the same micro-batches run again with the live groups.
-    """
-    while True:
-        values, samples, grad_norm = _try_step(model, optimizer, micro_batches, task, device,
-                                               speed, scaler, grad_clip)
-        if getattr(optimizer, "committed", True):
-            return values, samples, grad_norm
-
-
-def _try_step(model, optimizer, micro_batches, task, device, speed, scaler, grad_clip):
-    optimizer.zero_grad(set_to_none=True)  # replica groups: the step's quorum first
+    forward whether the coming backward will communicate."""
     weight = getattr(micro_batches, "weight", 1.0)  # data.Step: this rank's share of the step
     if len(micro_batches) == 1:  # no accumulation: the common case, with no bookkeeping
         # A weight-0 step (a stream's rank with no share of the last step) trains on nothing:
         # its stand-in sample stays out of the logged means and the throughput.
         samples = count_samples(micro_batches[0]) if weight else 0
-        values = forward_backward(model, micro_batches[0], task, device, speed, scaler,
-                                  weight=weight)
-    else:
-        sizes = [count_samples(batch) for batch in micro_batches]
-        total = sum(sizes)
-        samples = total if weight else 0
-        values = {}
-        for index, (batch, size) in enumerate(zip(micro_batches, sizes, strict=True)):
-            # Each micro-batch's mean loss weighted by its share of the step's samples: the
-            # accumulated gradient is that of the mean over the whole step, as without
-            # accumulation. On the last micro-batch DDP averages the gradients over ranks.
-            share = size / total
-            with (skip_gradient_sync(model) if index < len(micro_batches) - 1
-                  else contextlib.nullcontext()):
-                part = forward_backward(model, batch, task, device, speed, scaler, share,
-                                        weight)
-            for name, value in part.items():
-                values[name] = values[name] + value if name in values else value
-    if hasattr(optimizer, "average_gradients"):  # replica groups: over the live groups too
-        optimizer.average_gradients()
+        return forward_backward(model, micro_batches[0], task, device, speed, scaler,
+                                weight=weight), samples
+    sizes = [count_samples(batch) for batch in micro_batches]
+    total = sum(sizes)
+    values = {}
+    for index, (batch, size) in enumerate(zip(micro_batches, sizes, strict=True)):
+        # Each micro-batch's mean loss weighted by its share of the step's samples: the
+        # accumulated gradient is that of the mean over the whole step, as without
+        # accumulation. On the last micro-batch DDP averages the gradients over ranks.
+        share = size / total
+        with (skip_gradient_sync(model) if index < len(micro_batches) - 1
+              else contextlib.nullcontext()):
+            part = forward_backward(model, batch, task, device, speed, scaler, share, weight)
+        for name, value in part.items():
+            values[name] = values[name] + value if name in values else value
+    return values, total if weight else 0
+
+
+def apply_gradients(model, optimizer, scaler, grad_clip: float) -> torch.Tensor | None:
+    """Clip (when asked) and apply the averaged gradients; returns the norm before clipping."""
     grad_norm = None
     if grad_clip:
         if scaler:
@@ -179,7 +175,7 @@ def _try_step(model, optimizer, micro_batches, task, device, speed, scaler, grad
         scaler.update()
     else:
         optimizer.step()
-    return values, samples, grad_norm
+    return grad_norm
 
 
 def forward_backward(model: torch.nn.Module, batch, task: Task, device: torch.device,

@@ -25,7 +25,8 @@ import torch
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LambdaLR, LinearLR, LRScheduler, ReduceLROnPlateau
 
-from ddpkit.config import SCHEDULE_NAMES, UserError, lookup
+from ddpkit.config import UserError, lookup
+from ddpkit.schema import SCHEDULE_NAMES
 
 # optim.schedule=<key>: builder(optimizer, cfg, total_steps) -> LRScheduler | ReduceLROnPlateau
 SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, DictConfig, int], LRScheduler]] = {}

@@ -104,7 +104,7 @@ def grad_scaler(speed: Speed, device: torch.device) -> torch.amp.GradScaler | No
     return torch.amp.GradScaler(device.type)
 
 
-def describe(speed: Speed) -> str:
+def describe_speed(speed: Speed) -> str:
     names = {dtype: name for name, dtype in AUTOCAST_DTYPES.items()}
     dtype = names.get(speed.autocast_dtype, "fp32")
     parts = [f"precision {dtype}"]

@@ -58,7 +58,7 @@ class DataError(UserError):
     takes back the original message (the traceback's last line)."""
 
     # Raised reading data mid-run, on one rank while the others wait in a collective: that rank
-    # reports it and leaves without them (dist_utils.run_main). Raised while the job is built, it
+    # reports it and leaves without them (lifecycle.run_main). Raised while the job is built, it
     # is agreed on like any UserError (agree_on_errors raises a plain one).
     raised_alone = True
 

@@ -14,11 +14,11 @@ import math
 
 from omegaconf import DictConfig
 
-from ddpkit import checkpoint, dist_utils
-from ddpkit.checkpoint import Position
+from ddpkit import dist_utils
 from ddpkit.config import UserError
 from ddpkit.evaluation import evaluate_split, scalars
-from ddpkit.run_end import stop_for_preemption, write_summary
+from ddpkit.position import Position, rng_state, set_rng_state
+from ddpkit.run_end import write_summary
 from ddpkit.tasks import Task
 
 log = logging.getLogger("ddp")
@@ -109,24 +109,24 @@ def restored(run) -> None:
         run.checkpointer.best = run.validation.best["checkpoint"]
 
 
-def validate(run, mid_epoch: bool = False) -> None:
+def validate(run, mid_epoch: bool = False) -> dict | None:
     """A validation: the exact, sharded evaluation of evaluate.py, on the user's module
-    (compiled when training is; the same on every rank); then its record (the epoch's, or one
-    of its own mid-epoch), the plateau schedule, the best checkpoint and early stopping.
-    Preempted during it, the run stops and validates again after the resume."""
+    (compiled when training is; the same on every rank), logged as the epoch's record or one of
+    its own mid-epoch, the plateau schedule stepped on it. Returns the record; what to keep and
+    whether to stop is the loop's call (train.py). None when a preemption signal cut it short:
+    the loop then stops, and the resumed run validates again."""
     position, validation = run.position, run.validation
     if mid_epoch:  # the window so far is training time; the validation is not
         run.training_log.end_training(position.step, run.lr())
-    generators = checkpoint.rng_state()
+    generators = rng_state()
     val = evaluate_split(run.model_for_evaluation(),
                          run.data.eval_loader("val", run.cfg.train.limit_val_batches),
                          run.device, run.task, run.speed, run.cfg.eval.binned_thresholds,
                          detail=False, supervisor=run.supervisor)
-    checkpoint.set_rng_state(generators)  # training's random streams, as if it had not run
+    set_rng_state(generators)  # training's random streams, as if it had not run
+    validation.interrupted_at = (position.step if mid_epoch else -1) if val is None else -1
     if val is None:
-        validation.interrupted_at = position.step if mid_epoch else -1
-        stop_for_preemption(run)
-    validation.interrupted_at = -1
+        return None
     if mid_epoch:
         record = run.training_log.validation_record(position.epoch + 1, position.step,
                                                     scalars(val))
@@ -138,13 +138,14 @@ def validate(run, mid_epoch: bool = False) -> None:
     log.info("%s  step %5d  %s", f"{where} (mid)" if mid_epoch else where, position.step,
              "  ".join(f"{name} {value:.4f}" for name, value in record.items()
                        if isinstance(value, float)))
-    if validation.judge(record) and validation.keep_best:
-        keep_best(run)
-    if validation.stopped_early:
-        log.info("early stop: val_%s has not improved by more than %g for %d validation(s); "
-                 "best %.4f at step %d", validation.metric, validation.min_delta,
-                 validation.waited, validation.best["value"] if validation.best else math.nan,
-                 validation.best["step"] if validation.best else -1)
+    return record
+
+
+def log_early_stop(validation: Validation) -> None:
+    best = validation.best or {"value": math.nan, "step": -1}
+    log.info("early stop: val_%s has not improved by more than %g for %d validation(s); best "
+             "%.4f at step %d", validation.metric, validation.min_delta, validation.waited,
+             best["value"], best["step"])
 
 
 def keep_best(run) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train  # noqa: E402
-from ddpkit import checkpoint, dist_utils  # noqa: E402
+from ddpkit import checkpoint, lifecycle  # noqa: E402
 
-real_write_manifest = checkpoint.write_manifest
+real_write_manifest = checkpoint.write_manifest  # as the Checkpointer calls it
 
 
 def fill(folder: Path) -> None:
@@ -35,4 +35,4 @@ def write_manifest_on_a_full_disk(folder: Path) -> None:
 checkpoint.write_manifest = write_manifest_on_a_full_disk
 
 if __name__ == "__main__":
-    dist_utils.run_main(train.main)
+    lifecycle.run_main(train.main)

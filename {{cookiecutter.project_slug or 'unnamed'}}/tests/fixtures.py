@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
-from ddpkit import dist_utils
+from ddpkit import supervisor
 from ddpkit.config import UserError
 from ddpkit.splits import Splits, TensorSamples, array_splits, split_indices
 from ddpkit.streams import ShardedStream
@@ -108,7 +108,7 @@ class RecordedSamples(TensorSamples):
             os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)  # run.sh and torchrun
             os.kill(os.getpid(), signal.SIGKILL)
         while world == 1 and reads > int(os.environ["ELASTIC_HOLD_AFTER"]) and \
-                not dist_utils.PREEMPTION_SIGNALS_RECEIVED:
+                not supervisor.PREEMPTION_SIGNALS_RECEIVED:
             time.sleep(0.05)  # waiting for a signal, which the handler notes
         return super().__getitem__(index)
 

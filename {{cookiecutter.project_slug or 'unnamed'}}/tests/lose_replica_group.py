@@ -17,9 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train  # noqa: E402
-from ddpkit import dist_utils  # noqa: E402
+from ddpkit import lifecycle, supervisor  # noqa: E402
+from ddpkit.extras.replicas import groups  # noqa: E402
 
-real_step = train.train_step
+real_step = groups.train_step  # a replica group's voted step
 
 
 def lose_a_group(replicas, step: int) -> None:
@@ -39,14 +40,14 @@ def train_step_of_a_group(model, optimizer, *args, **kwargs):
     replicas = optimizer.replicas
     step = replicas.run.position.step + 1
     if step == int(os.environ.get("HOLD_AT", "0")):
-        while not dist_utils.PREEMPTION_SIGNALS_RECEIVED:
+        while not supervisor.PREEMPTION_SIGNALS_RECEIVED:
             time.sleep(0.05)  # until run_replicas.sh passes the test's SIGTERM on
     if "LOSE_GROUP" in os.environ:
         lose_a_group(replicas, step)
     return real_step(model, optimizer, *args, **kwargs)
 
 
-train.train_step = train_step_of_a_group
+groups.train_step = train_step_of_a_group
 
 if __name__ == "__main__":
-    dist_utils.run_main(train.main)
+    lifecycle.run_main(train.main)

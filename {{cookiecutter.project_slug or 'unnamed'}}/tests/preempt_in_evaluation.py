@@ -13,7 +13,7 @@ os.environ["PREEMPT_VALIDATION"] = "1"  # the first evaluation of a split
 from preempt_in_validation import evaluate_after_the_signal  # noqa: E402
 
 import evaluate  # noqa: E402
-from ddpkit import dist_utils  # noqa: E402
+from ddpkit import lifecycle  # noqa: E402
 
 evaluate.evaluate_split = evaluate_after_the_signal
 
@@ -21,4 +21,4 @@ if __name__ == "__main__":
     import torch
 
     torch.set_grad_enabled(False)
-    dist_utils.run_main(evaluate.main)
+    lifecycle.run_main(evaluate.main)

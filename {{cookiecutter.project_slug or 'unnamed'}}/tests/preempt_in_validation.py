@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train  # noqa: E402
-from ddpkit import dist_utils, validation  # noqa: E402
+from ddpkit import lifecycle, supervisor, validation  # noqa: E402
 
 real_evaluate = validation.evaluate_split
 calls = [0]
@@ -22,7 +22,7 @@ def evaluate_after_the_signal(*args, **kwargs):
     if calls[0] == int(os.environ["PREEMPT_VALIDATION"]):
         if os.environ["RANK"] == "0":
             Path(os.environ["PREEMPT_MARKER"]).touch()
-        while not dist_utils.PREEMPTION_SIGNALS_RECEIVED:  # a signal cuts each wait short
+        while not supervisor.PREEMPTION_SIGNALS_RECEIVED:  # a signal cuts each wait short
             time.sleep(1)
     return real_evaluate(*args, **kwargs)
 
@@ -30,4 +30,4 @@ def evaluate_after_the_signal(*args, **kwargs):
 validation.evaluate_split = evaluate_after_the_signal
 
 if __name__ == "__main__":
-    dist_utils.run_main(train.main)
+    lifecycle.run_main(train.main)

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, get_worker_info  # noqa: E402
 
-from ddpkit import dist_utils  # noqa: E402
+from ddpkit import dist_utils, lifecycle  # noqa: E402
 from ddpkit.config import load_config  # noqa: E402
 from ddpkit.data import DataModule  # noqa: E402
 from ddpkit.evaluation import evaluate_split, scalars  # noqa: E402
@@ -159,4 +159,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    dist_utils.run_main(main)
+    lifecycle.run_main(main)

@@ -10,10 +10,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddpkit import (
-    checkpoint,  # noqa: E402
-    dist_utils,  # noqa: E402
-)
+from ddpkit import lifecycle  # noqa: E402
+from ddpkit.checkpoint_files import list_checkpoints  # noqa: E402
+from ddpkit.checkpoint_load import read_tensors  # noqa: E402
 from ddpkit.parallel import ModelState  # noqa: E402
 from ddpkit.run_setup import start_run  # noqa: E402
 
@@ -54,8 +53,8 @@ def main(argv: list[str]) -> None:
     restored = {name: flat_tensors(ModelState(s.model, optimizer, whole=True).state_dict())
                 for name, optimizer in (("model", None), ("optimizer", s.optimizer))}
     if s.env.is_main:
-        latest = checkpoint.list_checkpoints(s.run_dir / "checkpoints")[-1]
-        saved = {name: checkpoint.read_tensors(latest, name) for name in ("model", "optimizer")}
+        latest = list_checkpoints(s.run_dir / "checkpoints")[-1]
+        saved = {name: read_tensors(latest, name) for name in ("model", "optimizer")}
         found = differences(saved, restored)
         if found:
             raise AssertionError("restored state differs: " + "; ".join(found[:10]))
@@ -64,4 +63,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    dist_utils.run_main(main)
+    lifecycle.run_main(main)

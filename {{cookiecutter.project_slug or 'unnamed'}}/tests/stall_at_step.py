@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train  # noqa: E402
-from ddpkit import dist_utils  # noqa: E402
+from ddpkit import lifecycle  # noqa: E402
 
 real_step = train.train_step
 calls = [0]
@@ -26,4 +26,4 @@ def train_step_with_stall(*args, **kwargs):
 train.train_step = train_step_with_stall
 
 if __name__ == "__main__":
-    dist_utils.run_main(train.main)
+    lifecycle.run_main(train.main)

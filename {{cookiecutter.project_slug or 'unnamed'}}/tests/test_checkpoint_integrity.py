@@ -15,8 +15,8 @@ import torch
 from test_checkpoints import a_checkpoint
 
 from conftest import TINY, run
-from ddpkit import checkpoint
-from ddpkit.checkpoint import MANIFEST_FILE, list_checkpoints, verified
+from ddpkit import checkpoint, checkpoint_files, checkpoint_load
+from ddpkit.checkpoint_files import MANIFEST_FILE, list_checkpoints, verified
 from ddpkit.config import UserError
 
 # One process, 19 steps, a checkpoint at steps 7, 14 and 19, all kept.
@@ -159,7 +159,7 @@ def test_evaluate_of_a_run_takes_its_newest_intact_checkpoint(trained, tmp_path)
 
 def test_verification_names_the_file_that_differs(tmp_path):
     folder = a_checkpoint(tmp_path / "step-00000001")
-    checkpoint.write_manifest(folder)
+    checkpoint_files.write_manifest(folder)
     assert set(json.loads((folder / MANIFEST_FILE).read_text())["files"]) == {
         ".metadata", "__0_0.distcp", "state.pt"}
     assert verified(folder)
@@ -180,7 +180,7 @@ def test_verification_names_the_file_that_differs(tmp_path):
     (folder / MANIFEST_FILE).unlink()
     assert not verified(folder)  # no manifest, of a format without one: loads, unverified
     state = torch.load(folder / "state.pt", weights_only=True)
-    torch.save({**state, "format_version": checkpoint.FORMAT_VERSION}, folder / "state.pt")
+    torch.save({**state, "format_version": checkpoint_files.FORMAT_VERSION}, folder / "state.pt")
     with pytest.raises(UserError, match=r"manifest.json is missing"):
         verified(folder)  # of a format that always has one: it was lost
 
@@ -188,7 +188,7 @@ def test_verification_names_the_file_that_differs(tmp_path):
 def a_run(root: Path, *steps: int) -> Path:
     """A run folder with checkpoints of these steps, each with its manifest."""
     for step in steps:
-        checkpoint.write_manifest(a_checkpoint(root / "checkpoints" / f"step-{step:08d}"))
+        checkpoint_files.write_manifest(a_checkpoint(root / "checkpoints" / f"step-{step:08d}"))
     return root
 
 
@@ -203,16 +203,16 @@ def test_training_does_not_prune_the_checkpoint_evaluate_is_reading(tmp_path):
     # that saved and pruned between the two reads made the second fail with KeyError: 'model'.
     run_dir = a_run(tmp_path / "run", 1, 2)
     folder = run_dir / "checkpoints"
-    source = checkpoint.find_checkpoint(str(run_dir))  # what evaluate.py and export.py choose
+    source = checkpoint_files.find_checkpoint(str(run_dir))  # what evaluate.py and export.py choose
     assert source.name == "step-00000002"
-    state = checkpoint.load_checkpoint(source)
+    state = checkpoint_load.load_checkpoint(source)
     a_run(run_dir, 3)  # between the two reads, training saves a checkpoint and prunes
     checkpoint.prune_checkpoints(folder, keep=1)
     model = Bare()
-    checkpoint.load_model_weights(model, source, state)
+    checkpoint_load.load_model_weights(model, source, state)
     assert torch.equal(model.w.detach(), torch.ones(3))
     assert [path.name for path in list_checkpoints(folder)] == ["step-00000002", "step-00000003"]
-    checkpoint.release(source)  # the reader is done: the next save prunes it
+    checkpoint_files.release(source)  # the reader is done: the next save prunes it
     checkpoint.prune_checkpoints(folder, keep=1)
     assert [path.name for path in list_checkpoints(folder)] == ["step-00000003"]
 
@@ -220,7 +220,7 @@ def test_training_does_not_prune_the_checkpoint_evaluate_is_reading(tmp_path):
 def test_a_checkpoint_pruned_before_it_is_opened_gives_way_to_the_then_newest(
         tmp_path, monkeypatch):
     run_dir = a_run(tmp_path / "run", 1, 2)
-    listed = checkpoint.list_checkpoints
+    listed = checkpoint_files.list_checkpoints
 
     def then_training_saves_and_prunes(folder):
         found = listed(folder)
@@ -229,24 +229,25 @@ def test_a_checkpoint_pruned_before_it_is_opened_gives_way_to_the_then_newest(
             shutil.rmtree(folder / "step-00000002")
         return found
 
-    monkeypatch.setattr(checkpoint, "list_checkpoints", then_training_saves_and_prunes)
-    source = checkpoint.find_checkpoint(str(run_dir))
+    monkeypatch.setattr(checkpoint_files, "list_checkpoints", then_training_saves_and_prunes)
+    source = checkpoint_files.find_checkpoint(str(run_dir))
     assert source == run_dir / "checkpoints" / "step-00000003"
-    assert torch.equal(checkpoint.read_model(source)["w"], torch.ones(3))
-    checkpoint.release(source)
+    assert torch.equal(checkpoint_load.read_model(source)["w"], torch.ones(3))
+    checkpoint_files.release(source)
 
 
 @pytest.mark.slow
 def test_a_training_process_prunes_around_a_checkpoint_another_process_reads(trained, tmp_path):
     run_dir = copy_of(trained, tmp_path)
-    source = checkpoint.find_checkpoint(str(run_dir))  # this process reads step 19, as evaluate
+    # This process reads step 19, as evaluate.py does.
+    source = checkpoint_files.find_checkpoint(str(run_dir))
     result = run([sys.executable, "train.py", *ARGS, "train.epochs=2", "train.ckpt_every=2",
                   "train.keep_checkpoints=1", f"run.dir={run_dir}"])
     assert result.returncode == 0, result.stdout
     assert [path.name for path in list_checkpoints(run_dir / "checkpoints")] == [
         "step-00000019", "step-00000038"]
-    assert verified(source) and checkpoint.read_model(source)
-    checkpoint.release(source)
+    assert verified(source) and checkpoint_load.read_model(source)
+    checkpoint_files.release(source)
 
 
 def test_a_run_without_an_intact_checkpoint_is_one_line(tmp_path):
@@ -254,4 +255,4 @@ def test_a_run_without_an_intact_checkpoint_is_one_line(tmp_path):
     (run_dir / "checkpoints" / "step-00000001" / "state.pt").write_bytes(b"")
     with pytest.raises(UserError, match=r"no intact checkpoint in .*: step-00000001 is damaged "
                                         r"\(state.pt: 0 bytes, \d+ in its manifest\)"):
-        checkpoint.find_checkpoint(str(run_dir))
+        checkpoint_files.find_checkpoint(str(run_dir))

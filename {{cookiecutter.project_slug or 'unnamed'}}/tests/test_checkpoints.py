@@ -17,15 +17,10 @@ from test_distributed import assert_same_numbers, evaluate_with
 from test_faults import epoch_records, finish, kill_worker, launch, logged_steps, wait_for
 
 from conftest import TINY, TRIALS, RunsCode, fixture, only_run_dir, run
-from ddpkit import checkpoint
-from ddpkit.checkpoint import (
-    MODEL_FILE,
-    STATE_FILE,
-    list_checkpoints,
-    read_tensors,
-    reused_staging_buffers,
-    verified,
-)
+from ddpkit import checkpoint_load
+from ddpkit.checkpoint import reused_staging_buffers
+from ddpkit.checkpoint_files import MODEL_FILE, STATE_FILE, list_checkpoints, verified
+from ddpkit.checkpoint_load import read_tensors
 from ddpkit.config import UserError
 
 FSDP = "parallel.strategy=fsdp"
@@ -205,7 +200,7 @@ def test_loading_a_sharded_checkpoint_never_runs_code(tmp_path):
 
     evil_values = a_checkpoint(tmp_path / "values", optimizer_extra=RunsCode(marker))
     with pytest.raises(UserError, match=f"refusing to load checkpoint {evil_values}"):
-        checkpoint.read_sharded(evil_values, {"optimizer": {
+        checkpoint_load.read_sharded(evil_values, {"optimizer": {
             "param_groups": [{"lr": 0.0, "extra": None}]}}, distributed=False)
 
     evil_metadata = a_checkpoint(tmp_path / "metadata")

@@ -23,7 +23,8 @@ from test_faults import (
 )
 
 from conftest import PROJECT, TINY, TRIALS, command_env, only_run_dir, run
-from ddpkit.checkpoint import list_checkpoints, load_checkpoint, read_model
+from ddpkit.checkpoint_files import list_checkpoints
+from ddpkit.checkpoint_load import load_checkpoint, read_model
 from ddpkit.config import load_config
 from ddpkit.data import DataModule
 from ddpkit.dist_utils import DistEnv

@@ -1,5 +1,6 @@
 """The config schema: defaults, overrides, and the one-line errors for bad input."""
 
+import difflib
 import inspect
 import shutil
 import subprocess
@@ -12,16 +13,16 @@ from omegaconf import OmegaConf
 from ddpkit.config import (
     DEFAULT_CONFIG_FILE,
     PROJECT_DIR,
-    DataConfig,
-    ModelConfig,
-    TaskConfig,
     UserError,
     given_keys,
+    inactive_settings,
     load_config,
     lookup,
     parse_args,
-    schema,
+    schema_type,
+    write_defaults,
 )
+from ddpkit.schema import Config, DataConfig, ModelConfig, TaskConfig, declarations
 from settings import DataSettings, ModelSettings, TaskSettings
 
 # The sections that extend settings.py's classes: (section, the template's class, yours).
@@ -29,33 +30,52 @@ EXTENDED = (("data", DataConfig, DataSettings), ("model", ModelConfig, ModelSett
             ("task", TaskConfig, TaskSettings))
 
 
-def flat(node: dict, prefix: str = "") -> dict:
-    items = {}
-    for key, value in node.items():
-        items.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict)
-                     else {f"{prefix}{key}": value})
-    return items
+def test_default_yaml_is_what_the_schema_writes(tmp_path):
+    # One source of every default and doc: ddpkit/schema.py. The YAML is written from it.
+    written = tmp_path / "default.yaml"
+    write_defaults(written)
+    assert list(tmp_path.iterdir()) == [written]  # no temporary file left beside it
+    diff = list(difflib.unified_diff(DEFAULT_CONFIG_FILE.read_text().splitlines(),
+                                     written.read_text().splitlines(), "configs/default.yaml",
+                                     "what ddpkit/schema.py declares", lineterm="", n=0))
+    assert not diff, ("configs/default.yaml is not what ddpkit/schema.py declares: run `python "
+                      "config.py --write-defaults` to rewrite it\n" + "\n".join(diff[:12]))
+    # ... and what it shows is what a run gets: the schema's defaults, read back by YAML.
+    shown = OmegaConf.to_container(OmegaConf.load(DEFAULT_CONFIG_FILE))
+    assert shown == OmegaConf.to_container(OmegaConf.structured(Config))
 
 
-def your_keys() -> set[str]:
-    """The keys settings.py adds (a name the template's section has too is the template's)."""
-    return {f"{name}.{f.name}" for name, template, yours in EXTENDED for f in fields(yours)
-            if f.name not in inspect.get_annotations(template)}
+def test_what_the_declarations_name_exists():
+    # A choice, a range and acts_with are read by the checks; one that names nothing (a key
+    # renamed, a value that is not a choice) would silently check nothing.
+    defaults = OmegaConf.structured(Config)
+    for key, declared in declarations().items():
+        assert declared.doc.endswith((".", ")")) and "  " not in declared.doc, key
+        assert declared.problem(OmegaConf.select(defaults, key)) is None, key
+        if declared.acts_with:
+            other, *values = declared.acts_with
+            assert other in declarations() and isinstance(schema_type(other), type), key
+            choices = declarations()[other].choices or declarations()[other].known
+            assert all(value in choices for value in values) if choices else True, key
 
 
-def test_yaml_shows_exactly_the_schema_defaults():
-    # One source of defaults: the YAML may not add, drop or change any value of the template's
-    # schema. It shows the template's settings only: yours are documented in settings.py.
-    mine = your_keys()
-    defaults = {key: value for key, value in flat(OmegaConf.to_container(
-        OmegaConf.structured(schema()))).items() if key not in mine}
-    shown = flat(OmegaConf.to_container(OmegaConf.load(DEFAULT_CONFIG_FILE)))
-    differ = [f"{key}: {shown.get(key, '(missing)')} in the YAML, {defaults.get(key, '(none)')} "
-              "in config.py" + (" (a setting of yours: its default is the one in settings.py)"
-                                if key in mine else "")
-              for key in sorted(defaults.keys() | shown.keys())
-              if defaults.get(key, "(none)") != shown.get(key, "(missing)")]
-    assert not differ, "configs/default.yaml and config.py differ: " + "; ".join(differ)
+def test_a_setting_given_where_it_cannot_act_is_named():
+    cfg = load_config(["optim.gamma=0.5", "ddp.static_graph=true", "profile.steps=3",
+                       "train.early_stop_min_delta=0.1", "parallel.strategy=fsdp"])
+    given = ["optim.gamma", "ddp.static_graph", "profile.steps", "train.early_stop_min_delta",
+             "parallel.strategy", "optim.args.momentum"]
+    assert inactive_settings(cfg, given) == [
+        "optim.gamma=0.5 has no effect with optim.schedule=cosine: it acts only with "
+        "optim.schedule=step or multistep or plateau",
+        "ddp.static_graph=True has no effect with parallel.strategy=fsdp: it acts only with "
+        "parallel.strategy=ddp",
+        "profile.steps=3 has no effect with profile.enabled=false: it acts only with "
+        "profile.enabled=true",
+        "train.early_stop_min_delta=0.1 has no effect with train.early_stop_patience=0: it acts "
+        "only with train.early_stop_patience=a value above 0"]
+    # A schedule of yours (model.py) may read any of the schedules' numbers: nothing is said.
+    cfg = load_config(["optim.schedule=my_schedule", "optim.gamma=0.5"])
+    assert inactive_settings(cfg, ["optim.gamma"]) == []
 
 
 def test_your_settings_do_not_reuse_a_template_key():
@@ -70,10 +90,12 @@ def test_your_settings_do_not_reuse_a_template_key():
 
 YOUR_SETTINGS = '''from dataclasses import dataclass
 
+from ddpkit.schema import setting
+
 
 @dataclass
 class DataSettings:
-    scan_weight: float = 0.5
+    scan_weight: float = setting(0.5, "The weight of a scan in the loss.", above=0)
 
 
 @dataclass
@@ -91,7 +113,7 @@ cfg = load_config([])
 print(cfg.model.aux_head, cfg.data.scan_weight)
 cfg = load_config(["--config", "exp.yaml", "data.scan_weight=2"])
 print(cfg.model.aux_head, cfg.data.scan_weight)
-for bad in ("model.aux_hed=true", "model.aux_head=maybe"):
+for bad in ("model.aux_hed=true", "model.aux_head=maybe", "data.scan_weight=-1"):
     try:
         load_config([bad])
     except UserError as error:
@@ -111,7 +133,7 @@ def test_a_setting_of_yours_is_a_key_like_any_other(tmp_path):
     probe = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True,
                            text=True, check=False)
     assert probe.returncode == 0, probe.stderr
-    defaults, given, unknown, wrong_type = probe.stdout.splitlines()
+    defaults, given, unknown, wrong_type, out_of_range = probe.stdout.splitlines()
     assert defaults == "False 0.5"  # the defaults of settings.py
     assert given == "True 2.0"  # from a YAML file and the command line, typed
     assert unknown.startswith("model.aux_hed is not a config key (command line); section model "
@@ -119,6 +141,8 @@ def test_a_setting_of_yours_is_a_key_like_any_other(tmp_path):
     assert unknown.endswith("; did you mean model.aux_head?")
     assert wrong_type == ("model.aux_head=maybe is not valid (command line): model.aux_head must "
                           "be true or false")
+    # Declared with the schema's setting(): checked as the template's settings are.
+    assert out_of_range == "data.scan_weight=-1.0 is not valid: it must be > 0"
     shown = subprocess.run([sys.executable, "config.py", "model.aux_head=true"], cwd=tmp_path,
                            capture_output=True, text=True, check=True).stdout
     assert "  aux_head: true\n" in shown and "  scan_weight: 0.5\n" in shown
@@ -169,6 +193,12 @@ def test_config_file_and_launcher_flags(tmp_path):
         (["run.seed=4294967296"], None, "run.seed=4294967296 is not valid"),
         (["model.dropout=1"], None, "model.dropout=1.0 is not valid"),
         (["ddp.timeout_minutes=0.01"], None, "every healthy step would be reported as a stall"),
+        (["data.val_fraction=1"], None,
+         "data.val_fraction=1.0 is not valid: it must be above 0 and below 1"),
+        (["data.synthetic_classes=1"], None,
+         "data.synthetic_classes=1 is not valid: it must be >= 2"),
+        (["train.limit_val_batches=2.5"], None, "train.limit_val_batches=2.5 is not valid: give "
+         "a whole number of batches, a fraction below 1, or 0 for all of them"),
     ],
 )
 def test_bad_input_names_the_key(argv, world_size, expected):

@@ -2,10 +2,18 @@
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
 from conftest import TINY, TINY_SPLIT, fixture
 from ddpkit.config import load_config
-from ddpkit.data import DataModule, EvalShardSampler, count_samples, map_tensors, to_device
+from ddpkit.data import (
+    DataModule,
+    EvalShardSampler,
+    ShuffledShard,
+    count_samples,
+    map_tensors,
+    to_device,
+)
 from ddpkit.dist_utils import DistEnv
 from ddpkit.splits import TensorSamples
 
@@ -79,3 +87,25 @@ def test_a_training_split_smaller_than_one_global_batch_is_one_line():
     cfg = load_config([*TINY, "train.global_batch_size=240"])  # 228 training samples
     with pytest.raises(UserError, match="the training split has 228 samples, fewer than one"):
         DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
+
+
+class Sized:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize(("n", "ranks", "drop_last"), [(1797, 2, False), (1797, 3, True),
+                                                       (5, 4, False), (2, 5, False),
+                                                       (7, 4, False), (64, 8, True)])
+def test_the_training_order_is_distributed_samplers_index_for_index(n, ranks, drop_last):
+    # A resume, and a run against its earlier self, depend on the order staying what it was.
+    for rank in range(ranks):
+        ours = ShuffledShard(Sized(n), ranks, rank, seed=3, drop_last=drop_last)
+        theirs = DistributedSampler(Sized(n), ranks, rank, seed=3, drop_last=drop_last)
+        for epoch in (0, 5):
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert list(ours) == list(theirs) and len(ours) == len(theirs)

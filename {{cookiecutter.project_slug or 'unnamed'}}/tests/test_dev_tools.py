@@ -155,7 +155,7 @@ def test_peak_flops_of_known_gpus_and_an_unknown_one(monkeypatch, name, precisio
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     found, device_name = flops.peak_flops(torch.device("cuda", 0), precision, tf32)
     assert found == peak and device_name == name
-    text = flops.describe(1e9, found, device_name, torch.device("cuda", 0))
+    text = flops.describe_flops(1e9, found, device_name, torch.device("cuda", 0))
     assert ("MFU unknown" in text) == (peak is None) and name in text
     assert flops.peak_flops(torch.device("cpu"), precision, tf32)[0] is None
 

@@ -2,6 +2,7 @@
 safety, run folders."""
 
 import os
+import socket
 import subprocess
 import sys
 import zipfile
@@ -11,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import PROJECT, TINY, RunsCode, command_env
-from ddpkit import checkpoint, dist_utils
+from ddpkit import checkpoint, checkpoint_load, dist_utils, run_folder, writes
 from ddpkit.config import UserError, load_config
 from ddpkit.parallel import unwrap
 from fixtures import MLP
@@ -69,7 +70,7 @@ def test_flight_recorder_variables_are_the_ones_this_torch_reads():
 def test_state_dict_keys_carry_no_wrapper_prefixes():
     model = MLP(4, 3, 8, 1, 0.0, batchnorm=False)
     wrapped = {f"module._orig_mod.{k}": v for k, v in model.state_dict().items()}
-    assert checkpoint.clean_state_dict(wrapped).keys() == model.state_dict().keys()
+    assert checkpoint_load.clean_state_dict(wrapped).keys() == model.state_dict().keys()
     assert unwrap(torch.compile(model)) is model
 
 
@@ -81,26 +82,26 @@ def test_save_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
         handle.write(b"PK\x03\x04 partial bytes")
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint.torch, "save", write_half_then_fail)
+    monkeypatch.setattr(writes.torch, "save", write_half_then_fail)
     with pytest.raises(UserError, match=f"cannot write {path}: disk full"):
         checkpoint.export_model({"w": torch.zeros(2)}, path, 2, OmegaConf.create())
-    assert torch.equal(checkpoint.load_checkpoint(path)["model"]["w"], torch.ones(2))
+    assert torch.equal(checkpoint_load.load_checkpoint(path)["model"]["w"], torch.ones(2))
     assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left behind
 
 
 def test_missing_truncated_and_foreign_checkpoints(tmp_path):
     with pytest.raises(UserError, match="checkpoint not found"):
-        checkpoint.load_checkpoint(tmp_path / "nope.pt")
+        checkpoint_load.load_checkpoint(tmp_path / "nope.pt")
     good = tmp_path / "good.pt"
     checkpoint.export_model({"w": torch.ones(1000)}, good, 1, OmegaConf.create())
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     with pytest.raises(UserError, match="truncated or not a PyTorch checkpoint"):
-        checkpoint.load_checkpoint(truncated)
+        checkpoint_load.load_checkpoint(truncated)
     other = tmp_path / "other.pt"
     torch.save({"weights": torch.ones(1)}, other)
     with pytest.raises(UserError, match="not a checkpoint of this project"):
-        checkpoint.load_checkpoint(other)
+        checkpoint_load.load_checkpoint(other)
 
 
 def test_checkpoint_that_would_run_code_is_refused(tmp_path):
@@ -109,7 +110,7 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path):
     torch.save({"model": {}, "payload": RunsCode(marker)}, evil)
     assert zipfile.is_zipfile(evil)
     with pytest.raises(UserError, match="refusing to load checkpoint"):
-        checkpoint.load_checkpoint(evil)
+        checkpoint_load.load_checkpoint(evil)
     assert not marker.exists()
     # The same file does run code when loaded unsafely: the refusal above is what saved us.
     torch.load(evil, weights_only=False)
@@ -119,12 +120,29 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path):
 def test_a_run_folder_the_job_made_and_never_used_is_removed(tmp_path):
     env = dist_utils.DistEnv(0, 0, 1, False)
     cfg = load_config([*TINY, f"run.output_dir={tmp_path / 'runs'}"])
-    run = checkpoint.open_run_dir(cfg, env)
+    run = run_folder.open_run_dir(cfg, env)
     assert run.created and run.path.is_dir()
     run.discard_if_unused()
     assert list((tmp_path / "runs").iterdir()) == []
     given = tmp_path / "mine"
     given.mkdir()
-    kept = checkpoint.open_run_dir(load_config([*TINY, f"run.dir={given}"]), env)
+    kept = run_folder.open_run_dir(load_config([*TINY, f"run.dir={given}"]), env)
     kept.discard_if_unused()  # it existed before: not this job's to remove
     assert given.is_dir()
+
+
+def test_a_lost_peer_is_told_from_an_error_of_ones_own(tmp_path):
+    # A real lost peer, as a torch release raises it: lifecycle.is_peer_failure must still know
+    # it (gloo gives a plain RuntimeError, told by its text), or a rank would report the other's
+    # death as its own failure.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    ranks = [subprocess.Popen([sys.executable, "tests/peer_gone.py"], cwd=PROJECT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=command_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                              RANK=str(rank), WORLD_SIZE="2"))
+             for rank in (0, 1)]
+    output = ranks[0].communicate(timeout=120)[0]
+    ranks[1].communicate(timeout=120)
+    assert "peer failure: True" in output, output

@@ -21,7 +21,7 @@ from sklearn.metrics import (
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import TINY, TINY_SPLIT, fixture, only_run_dir, run, torchrun
-from ddpkit.checkpoint import read_model
+from ddpkit.checkpoint_load import read_model
 
 
 @pytest.mark.parametrize("world_size", [3])  # 228 train samples: 76 each, uneven eval shards

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import TINY, RunsCode, command_env, fixture, run, torchrun
-from ddpkit.checkpoint import STATE_FILE, list_checkpoints, read_model
+from ddpkit.checkpoint_files import STATE_FILE, list_checkpoints
+from ddpkit.checkpoint_load import read_model
 
 pytestmark = pytest.mark.slow  # the quick tier (-m 'not slow') skips these
 

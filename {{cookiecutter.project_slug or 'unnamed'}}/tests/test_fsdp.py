@@ -10,7 +10,7 @@ import pytest
 from test_distributed import assert_same_numbers, check_equivalence, evaluate_with
 
 from conftest import TINY, only_run_dir, run
-from ddpkit.checkpoint import list_checkpoints, verified
+from ddpkit.checkpoint_files import list_checkpoints, verified
 
 pytestmark = pytest.mark.slow
 FSDP = "parallel.strategy=fsdp"

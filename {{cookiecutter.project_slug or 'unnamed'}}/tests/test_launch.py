@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from conftest import PROJECT, TINY, command_env, run
-from ddpkit.checkpoint import list_checkpoints, read_model
+from ddpkit.checkpoint_files import list_checkpoints
+from ddpkit.checkpoint_load import read_model
+from ddpkit.launcher import PACKAGES
 
 pytestmark = pytest.mark.slow  # the quick tier (-m 'not slow') skips these
 
@@ -74,14 +76,40 @@ def test_a_python_without_the_projects_packages_gets_one_line(tmp_path):
         "project's packages (README: Quick start)"]
 
 
+@pytest.mark.parametrize(("env", "expected"), [
+    (dict(NPROC_PER_NODE="0"), "NPROC_PER_NODE=0 is not valid: it must be a whole number of "
+     "processes, at least 1"),
+    (dict(MAX_RESTARTS="-1"), "MAX_RESTARTS=-1 is not valid: it must be a whole number, 0 or more"),
+    (dict(SHUTDOWN_TIMEOUT="2m"), "SHUTDOWN_TIMEOUT=2m is not valid: it must be a whole number of "
+     "seconds"),
+    (dict(REPLICA_GROUP="2", REPLICA_GROUPS="2"), "REPLICA_GROUP=2 and REPLICA_GROUPS=2 are not "
+     "valid: REPLICA_GROUPS is the number of replica groups, REPLICA_GROUP this group's, 0 to "
+     "REPLICA_GROUPS-1"),
+], ids=["nproc", "restarts", "shutdown", "replica-group"])
+def test_a_run_sh_setting_that_is_not_valid_is_one_line(tmp_path, env, expected):
+    # The preflight checks run.sh's environment (it was bash's, before) before any worker starts.
+    launch = Launch(tmp_path, TINY, **env)
+    assert launch.finish() == [f"error: {expected}"]
+    assert launch.proc.returncode == 2
+
+
 def test_run_sh_checks_for_every_package_pyproject_lists():
-    listed = re.search(r"^packages=\(([^)]*)\)", (PROJECT / "run.sh").read_text(), re.M)
-    pip_names = [pair.split(":")[1] for pair in listed.group(1).split()]
+    pip_names = list(PACKAGES.values())  # what run.sh's preflight looks up
     pyproject = (PROJECT / "pyproject.toml").read_text()
     dependencies = re.search(r"^dependencies = \[(.*?)^\]", pyproject, re.M | re.S)
-    # optuna is sweep.py's alone (ddpkit/sweep.py says in one line when it is missing).
+    # optuna is sweep.py's alone (ddpkit/extras/sweep/ says in one line when it is missing).
     assert pip_names == [name for name in re.findall(r'"([\w.-]+)', dependencies.group(1))
                          if name != "optuna"]
+
+
+def test_run_sh_only_starts_and_signals_processes():
+    """run.sh is a launcher a reader takes in at once: the checks and torchrun's command line are
+    Python's (ddpkit/launcher.py, ddpkit/preflight.py); it starts torchrun, passes signals on to
+    the workers and turns how the job ended into its exit status, without stopping torchrun or
+    reading other processes' environments."""
+    text = (PROJECT / "run.sh").read_text()
+    assert len(text.splitlines()) <= 200
+    assert "/proc/" not in text and "STOP" not in text
 
 
 # torchrun's flags that run.sh passes when this torchrun has them (its --help lists them).
@@ -206,7 +234,7 @@ def python_wrapper(folder, when_preflight: str) -> str:
     before any worker exists), and the real Python otherwise."""
     folder.mkdir()
     wrapper = folder / "python"
-    wrapper.write_text(f'#!/bin/sh\nif [ "$2" = ddpkit.preflight ]; then {when_preflight}; fi\n'
+    wrapper.write_text(f'#!/bin/sh\nif [ "$2" = ddpkit.launcher ]; then {when_preflight}; fi\n'
                        f'exec "{sys.executable}" "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
@@ -252,6 +280,17 @@ def test_ctrl_c_stops_the_job_with_one_line(tmp_path):
     assert lines[-1] == "interrupted (SIGINT): the job stopped"
     after = lines[[i for i, line in enumerate(lines) if "run folder:" in line][0] + 1:-1]
     assert [line for line in after if not re.match(r"\d\d:\d\d:\d\d ", line)] == []
+
+
+def test_a_worker_that_does_not_leave_on_ctrl_c_is_killed_after_shutdown_timeout(tmp_path):
+    script = tmp_path / "stuck.py"  # a worker stuck where Ctrl-C does not reach it
+    script.write_text("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                      "print('stuck', flush=True)\ntime.sleep(600)\n")
+    launch = Launch(tmp_path, [str(script)], NPROC_PER_NODE="1", SHUTDOWN_TIMEOUT="1")
+    launch.read_until("stuck")
+    launch.signal_group(signal.SIGINT)
+    assert launch.finish() == ["stuck", "interrupted (SIGINT): the job stopped"]
+    assert launch.proc.returncode == 130
 
 
 def test_a_syntax_error_in_the_users_code_stops_before_torchrun(tmp_path):

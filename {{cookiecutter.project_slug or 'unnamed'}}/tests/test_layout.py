@@ -18,10 +18,12 @@ YOURS = {SETTINGS, *RECIPES}
 
 
 def module_names(root: Path) -> dict[str, Path]:
-    """The project's modules by import name: the top-level files and the engine package's."""
+    """The project's modules by import name: the top-level files and the engine package's, its
+    sub-packages' included (ddpkit/extras/sweep/main.py is ddpkit.extras.sweep.main)."""
     names = {path.stem: path for path in root.glob("*.py")}
-    for path in (root / "ddpkit").glob("*.py"):
-        names["ddpkit" if path.stem == "__init__" else f"ddpkit.{path.stem}"] = path
+    for path in (root / "ddpkit").rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        names[".".join(parts[:-1] if path.stem == "__init__" else parts)] = path
     return names
 
 
@@ -123,3 +125,21 @@ def test_an_import_the_template_moved_is_one_line_naming_the_new_one(tmp_path):
         "error: tasks.py imports builtin_tasks, which the template moved to ddpkit.tasks: write "
         "`from ddpkit.tasks import ...` at the top of your file (README: Taking template "
         "updates)"], result.stdout
+
+
+OPTIONAL = ("torchft", "optuna", "mlflow", "wandb", "transformers", "datasets")  # extras' packages
+
+
+def test_a_default_run_imports_no_optional_feature():
+    # Optional features sit behind one seam each (ddpkit/extras/), imported only when enabled:
+    # a default run loads none of their packages, nor the extras themselves.
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py",
+                             "train.fast_dev_run=true", *TINY], cwd=PROJECT, env=command_env(),
+                            capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "ddpkit.run_setup" in imported  # what is read is -X importtime's table
+    loaded = sorted(name for name in imported
+                    if name.split(".")[0] in OPTIONAL or name.startswith("ddpkit.extras"))
+    assert loaded == []

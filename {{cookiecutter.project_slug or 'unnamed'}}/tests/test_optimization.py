@@ -20,9 +20,11 @@ from torch.optim import lr_scheduler
 
 import fixtures
 from conftest import TINY, fixture, only_run_dir, run
-from ddpkit import optimizers, schedules, sweep
-from ddpkit.checkpoint import Position, list_checkpoints
+from ddpkit import optimizers, schedules
+from ddpkit.checkpoint_files import list_checkpoints
 from ddpkit.config import UserError, load_config
+from ddpkit.extras.sweep.space import parse_space
+from ddpkit.position import Position
 from ddpkit.resume_settings import apply_changed_settings
 from ddpkit.run_setup import check_optim
 
@@ -57,7 +59,7 @@ def test_default_groups_decay_weights_only_and_leave_frozen_parameters_out():
         {"embed.weight", "linear.weight"},
         {"linear.bias", "norm.weight", "norm.bias", "batchnorm.weight", "batchnorm.bias"}]
     assert (decayed["weight_decay"], plain["weight_decay"]) == (0.05, 0.0)
-    assert optimizers.describe(optimizer) == (
+    assert optimizers.describe_optimizer(optimizer) == (
         "optimizer AdamW, 2 parameter group(s), lr 0.01, weight decay 0.05 on 2 tensors (144 "
         "params), none on 5 biases/norm weights (40 params)")
 
@@ -73,7 +75,7 @@ def test_any_torch_optimizer_by_name_with_its_arguments():
     assert adam.defaults["betas"] == (0.8, 0.9)
     # Fused only where PyTorch has the kernel (CPU and CUDA in recent versions), and said so.
     assert bool(adam.defaults["fused"]) == optimizers.fused_supported(list(model.parameters()))
-    assert optimizers.describe(adam).startswith(
+    assert optimizers.describe_optimizer(adam).startswith(
         "optimizer fused Adam" if adam.defaults["fused"] else "optimizer Adam,")
     assert type(optimizers.build_optimizer(model, config("optim.name=rmsprop"), False)) is \
         torch.optim.RMSprop
@@ -116,8 +118,8 @@ def test_bad_schedule_settings_are_refused_by_the_config_check(settings, message
 
 
 def test_an_optimizer_argument_is_a_key_a_sweep_can_vary():
-    space, fixed = sweep.parse_space(["optim.args.momentum=0.8,0.9", "optim.name=sgd"],
-                                     random_search=False)
+    space, fixed = parse_space(["optim.args.momentum=0.8,0.9", "optim.name=sgd"],
+                               random_search=False)
     assert space == {"optim.args.momentum": ["0.8", "0.9"]} and fixed == ["optim.name=sgd"]
 
 

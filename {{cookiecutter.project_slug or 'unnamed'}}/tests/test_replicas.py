@@ -17,7 +17,7 @@ from test_distributed import evaluate_at
 from test_launch import free_port, processes_in_group
 
 from conftest import PROJECT, TINY, command_env, only_run_dir, run
-from ddpkit.replicas import step_log
+from ddpkit.extras.replicas.groups import step_log
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torchft")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, run
-from ddpkit.checkpoint import list_checkpoints
+from ddpkit.checkpoint_files import list_checkpoints
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from conftest import IMAGES, TINY, TINY_SPLIT, only_run_dir, torchrun
-from ddpkit.checkpoint import load_checkpoint, read_model
+from ddpkit.checkpoint_load import load_checkpoint, read_model
 from ddpkit.config import load_config
 from ddpkit.data import DataModule
 from ddpkit.dist_utils import DistEnv

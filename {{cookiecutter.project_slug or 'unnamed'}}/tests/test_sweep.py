@@ -15,8 +15,13 @@ from test_evaluate_faults import left_in
 from test_faults import descendants, finish, logged_steps, wait_for
 
 from conftest import PROJECT, TINY, command_env, fixture, run
-from ddpkit import sweep
 from ddpkit.config import UserError
+from ddpkit.extras.sweep.folder import Sweep, open_sweep, trial_id
+from ddpkit.extras.sweep.local import LAUNCH_MARK, chosen_devices, run_packed
+from ddpkit.extras.sweep.main import build_parser, check_args
+from ddpkit.extras.sweep.optuna_search import check_storage, run_optuna
+from ddpkit.extras.sweep.space import parse_space, plan_trials
+from ddpkit.extras.sweep.summary import write_sweep_summary
 
 
 class PretendTrial:
@@ -37,7 +42,7 @@ class PretendTrial:
 
 def pack(trials: int, nproc: int, devices: list[str]):
     running, log = {}, []
-    statuses = sweep.run_packed(list(range(trials)), nproc, devices,
+    statuses = run_packed(list(range(trials)), nproc, devices,
                                 lambda index, block: PretendTrial(index, block, running, log),
                                 wait_step=lambda: None)
     return statuses, log
@@ -64,19 +69,19 @@ def test_without_gpus_one_trial_runs_at_a_time_and_too_big_a_trial_is_refused():
 
 
 def test_the_plan_grid_random_and_bad_input():
-    space, fixed = sweep.parse_space(["optim.lr=1e-3,3e-3", "model.hidden_dim=16,32",
+    space, fixed = parse_space(["optim.lr=1e-3,3e-3", "model.hidden_dim=16,32",
                                       "train.epochs=2"], random_search=False)
     assert fixed == ["train.epochs=2"]
-    grid = sweep.plan_trials(space, seed=3)
+    grid = plan_trials(space, seed=3)
     assert len(grid) == 4 and len({tuple(t.values()) for t in grid}) == 4
-    assert grid == sweep.plan_trials(space, seed=3)  # GridSampler's order: the seed's shuffle
-    space, _ = sweep.parse_space(["optim.lr=loguniform(1e-4,1e-2)", "model.dropout=0,0.1"],
+    assert grid == plan_trials(space, seed=3)  # GridSampler's order: the seed's shuffle
+    space, _ = parse_space(["optim.lr=loguniform(1e-4,1e-2)", "model.dropout=0,0.1"],
                                  random_search=True)
-    draws = sweep.plan_trials(space, random_trials=6, seed=1)
-    assert draws == sweep.plan_trials(space, random_trials=6, seed=1)  # the seed fixes them
+    draws = plan_trials(space, random_trials=6, seed=1)
+    assert draws == plan_trials(space, random_trials=6, seed=1)  # the seed fixes them
     assert all(1e-4 <= float(t["optim.lr"]) <= 1e-2 for t in draws)
-    space, _ = sweep.parse_space(["train.epochs=int(1,3)"], random_search=True)
-    draws = [t["train.epochs"] for t in sweep.plan_trials(space, random_trials=5)]
+    space, _ = parse_space(["train.epochs=int(1,3)"], random_search=True)
+    draws = [t["train.epochs"] for t in plan_trials(space, random_trials=5)]
     assert sorted(draws[:3]) == ["1", "2", "3"] and len(draws) == 5  # distinct while they can be
     for overrides, random_search, message in [
         (["optim.lrr=1,2"], False, "not a config key"),
@@ -93,9 +98,9 @@ def test_the_plan_grid_random_and_bad_input():
         (["optim.name=uniform(1,3)"], True, "optim.name is not a number: give it a list"),
     ]:
         with pytest.raises(UserError, match=message):
-            sweep.parse_space(overrides, random_search)
+            parse_space(overrides, random_search)
     # Commas inside brackets or quotes separate no values; a list wins over a fixed value.
-    space, fixed = sweep.parse_space(["optim.milestones=[100,200],[300]", "run.name='a,b'",
+    space, fixed = parse_space(["optim.milestones=[100,200],[300]", "run.name='a,b'",
                                       "optim.lr=1e-3,2e-3", "optim.lr=3e-3"], random_search=False)
     assert space == {"optim.milestones": ["[100,200]", "[300]"], "optim.lr": ["1e-3", "2e-3"]}
     assert fixed == ["run.name='a,b'", "optim.lr=3e-3"]
@@ -121,8 +126,8 @@ def test_a_grid_of_two_process_trials_survives_a_bad_one_reruns_it_alone_and_ran
     plan = json.loads((folder / "sweep.json").read_text())["trials"]
     assert sorted(tuple(t.values()) for t in plan) == [
         ("cnn", images), ("cnn", vectors), (fixture("mlp"), images), (fixture("mlp"), vectors)]
-    bad = sweep.trial_id(plan.index({"model.name": "cnn", "data.dataset": vectors}))
-    good = sorted({sweep.trial_id(index) for index in range(4)} - {bad})
+    bad = trial_id(plan.index({"model.name": "cnn", "data.dataset": vectors}))
+    good = sorted({trial_id(index) for index in range(4)} - {bad})
     failed = [line for line in first.stdout.splitlines() if " failed (exit" in line]
     assert len(failed) == 1 and failed[0].startswith(
         f"{bad} failed (exit 2): error: model.name=cnn needs images"), failed
@@ -133,7 +138,7 @@ def test_a_grid_of_two_process_trials_survives_a_bad_one_reruns_it_alone_and_ran
 
     again = run(command, timeout=600, NNODES="2")
     assert again.returncode == 1 and "3 finished before, 1 to run" in again.stdout, again.stdout
-    launches = {path.stem: path.read_text().count(sweep.LAUNCH_MARK)
+    launches = {path.stem: path.read_text().count(LAUNCH_MARK)
                 for path in (folder / "logs").iterdir()}
     assert launches == {**dict.fromkeys(good, 1), bad: 2}
 
@@ -230,7 +235,7 @@ def test_a_sweep_with_a_trial_that_would_be_refused_starts_none(tmp_path):
 
 def test_bad_sweep_options_are_one_line_before_anything_is_written(monkeypatch):
     def check(*argv: str) -> None:
-        sweep.check_args(sweep.build_parser().parse_args([*argv, "optim.lr=1e-3,2e-3"]))
+        check_args(build_parser().parse_args([*argv, "optim.lr=1e-3,2e-3"]))
 
     for argv, message in [
         (["--seed", "-1"], "--seed -1 is not valid: it must be between 0 and 4294967295"),
@@ -249,9 +254,9 @@ def test_bad_sweep_options_are_one_line_before_anything_is_written(monkeypatch):
     with pytest.raises(UserError, match="NPROC_PER_NODE=two is not valid"):
         check()
     with pytest.raises(UserError, match="--gpus 0,1,0 names a GPU twice"):
-        sweep.chosen_devices(argparse.Namespace(gpus="0,1,0"))
+        chosen_devices(argparse.Namespace(gpus="0,1,0"))
     with pytest.raises(UserError, match="--storage nowhere does not open: "):
-        sweep.check_storage("nowhere")
+        check_storage("nowhere")
 
 
 def test_the_plan_is_drawn_once_and_a_rerun_must_ask_for_the_same_sweep(tmp_path):
@@ -259,16 +264,16 @@ def test_the_plan_is_drawn_once_and_a_rerun_must_ask_for_the_same_sweep(tmp_path
         return argparse.Namespace(out=tmp_path, name="kept", nproc=1, config="", random=3,
                                   seed=seed)
 
-    space, fixed = sweep.parse_space(["optim.lr=uniform(0.1,0.2)"], random_search=True)
+    space, fixed = parse_space(["optim.lr=uniform(0.1,0.2)"], random_search=True)
     drawn_from = {"space": {key: list(spec) for key, spec in space.items()}, "random": 3}
-    first = sweep.open_sweep(args(0), space, fixed, {**drawn_from, "seed": 0})
+    first = open_sweep(args(0), space, fixed, {**drawn_from, "seed": 0})
     assert len({t["optim.lr"] for t in first.trials}) == 3
     first.trials[0]["optim.lr"] = "0.15"  # what is in sweep.json is run, not a new draw
     first.save()
-    again = sweep.open_sweep(args(0), space, fixed, {**drawn_from, "seed": 0})
+    again = open_sweep(args(0), space, fixed, {**drawn_from, "seed": 0})
     assert again.trials == first.trials
     with pytest.raises(UserError, match="holds a sweep with other settings"):
-        sweep.open_sweep(args(1), space, fixed, {**drawn_from, "seed": 1})
+        open_sweep(args(1), space, fixed, {**drawn_from, "seed": 1})
 
 
 @pytest.mark.slow
@@ -327,9 +332,9 @@ class PretendRun:
 
 def test_optuna_prunes_a_trial_on_its_validation_metric_and_ranks_the_rest(tmp_path):
     import optuna
-    space, fixed = sweep.parse_space(["optim.lr=loguniform(1e-4,1e-1)", "model.dropout=0,0.1"],
+    space, fixed = parse_space(["optim.lr=loguniform(1e-4,1e-1)", "model.dropout=0,0.1"],
                                      random_search=True)
-    plan = sweep.Sweep(tmp_path / "study", [], fixed, nproc=1)
+    plan = Sweep(tmp_path / "study", [], fixed, nproc=1)
     runs = {}
 
     def start(index, block):  # trials 0, 1 and 3 reach 0.9; trial 2 only 0.1
@@ -337,7 +342,7 @@ def test_optuna_prunes_a_trial_on_its_validation_metric_and_ranks_the_rest(tmp_p
         return runs[index]
 
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
-    sweep.run_optuna(plan, space, 4, [], storage, "maximize", start=start,
+    run_optuna(plan, space, 4, [], storage, "maximize", start=start,
                      wait_step=lambda: None)
     study = optuna.load_study(study_name="study", storage=storage)
     states = [trial.state.name for trial in study.trials]
@@ -347,7 +352,7 @@ def test_optuna_prunes_a_trial_on_its_validation_metric_and_ranks_the_rest(tmp_p
     assert [json.loads(line)["epoch"] for line in
             (plan.run_dir(2) / "metrics.jsonl").read_text().splitlines()] == [1]
     assert all(1e-4 <= float(params["optim.lr"]) <= 1e-1 for params in plan.trials)
-    assert sweep.write_summary(plan) == 0
+    assert write_sweep_summary(plan) == 0
     with open(plan.folder / "summary.csv") as handle:
         statuses = [row["status"] for row in csv.DictReader(handle)]
     assert statuses == ["finished"] * 3 + ["pruned"]

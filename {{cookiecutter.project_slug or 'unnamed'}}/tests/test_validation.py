@@ -16,7 +16,8 @@ from test_cluster import PREEMPTED, launch
 from test_faults import epoch_records, finish, wait_for
 
 from conftest import TINY, run
-from ddpkit.checkpoint import list_checkpoints, read_model
+from ddpkit.checkpoint_files import list_checkpoints
+from ddpkit.checkpoint_load import read_model
 from ddpkit.config import UserError, load_config
 from ddpkit.validation import Validation, restored
 

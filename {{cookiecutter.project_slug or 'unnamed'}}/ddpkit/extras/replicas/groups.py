@@ -1,169 +1,30 @@
-"""Per-step fault tolerance with torchft: the job as replica groups that lose and regain members
-without a restart (README: "When a machine is lost").
-
-Each replica group is one torchrun (./run.sh with REPLICA_GROUP set; ./run_replicas.sh starts
-them all, and the torchft lighthouse that keeps their membership). Inside a group, training is
-what it is without torchft: DDP or FSDP over the group's processes. Across groups, a torchft
-Manager forms a quorum of the live groups before every step and averages the gradients over
-them; a group that dies leaves the others going on at the next step, and a group that starts (or
-restarts) copies the live groups' state before its first step ("heals").
-
-What this module adds to a run:
-- the data is sharded over every process of every group (group g's rank r is data rank
-  g x processes + r), so each group trains on its own share of each global batch; a missing
-  group's share of a step is skipped;
-- the optimizer steps only when every live group's gradients arrived (`VotedOptimizer`);
-  otherwise train_step runs the same batch again with the groups still alive;
-- the run's files (checkpoints, the training log, TensorBoard, the summary) are written by one
-  live group: the first in the quorum (dist_utils.DistEnv.is_main asks `leads`); each window of
-  train_log.jsonl says the fewest and the most groups that took part in one of its steps;
-- replica_groups/group-<g>.jsonl, written by each group's rank 0: one line per step with how
-  many groups took part, the step's wall time and how many tries it took; the last line holds a
-  digest of the final weights, equal in every group.
+"""A replica group's part of a run: the torchft Manager's quorum before each step, gradients
+averaged over the live groups, a step applied only when every live group took part (the same
+micro-batches run again otherwise), healing a (re)started group from a live one, and the group's
+step log. The package's docstring says what replica groups are.
 """
 
-from __future__ import annotations
-
-import dataclasses
 import datetime
 import hashlib
-import http.client
-import importlib.util
 import json
 import logging
 import os
-import socket
-import threading
 import time
-import urllib.parse
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
+from torch.distributed.tensor import DTensor
+
+from ddpkit.dist_utils import DistEnv
+from ddpkit.extras.replicas.launch import LIGHTHOUSE_VAR, NEEDS_TORCHFT, lighthouse_problem
+from ddpkit.position import rng_state, set_rng_state
 from ddpkit.project import UserError
-
-# torch, and the modules of ddpkit that import it, are imported where they are used: run.sh's
-# preflight checks a replica group's launch with this module (launch_problem), in milliseconds.
-if TYPE_CHECKING:
-    import torch
-
-    from ddpkit.dist_utils import DistEnv
+from ddpkit.run_state import apply_gradients, compute_gradients
 
 log = logging.getLogger("ddp")
 
-GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR = "REPLICA_GROUP", "REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
 MAX_TRIES = 20  # consecutive failed steps before the group gives up (a peer that keeps failing)
-NEEDS_TORCHFT = ("REPLICA_GROUP needs torchft, an optional extra: pip install -e '.[torchft]' "
-                 "(README: \"When a machine is lost\")")
-# How long a launch waits for the lighthouse to answer. One started beside the groups (by a
-# script, or slurm.sbatch on another node) listens only once it has imported torch, a second or
-# more after it starts; an address where none will answer costs no more than this.
-LIGHTHOUSE_WAIT_S = 5.0
-LIGHTHOUSE_PAGE = b"torchft"  # in the dashboard page every lighthouse serves at /
-
-
-def from_environment() -> tuple[int, int] | None:
-    """(this group, groups) when launched as a replica group, else None."""
-    if GROUP_VAR not in os.environ:
-        return None
-    group, groups = os.environ[GROUP_VAR], os.environ.get(GROUPS_VAR, "")
-    if not (group.isdigit() and groups.isdigit() and int(group) < int(groups)):
-        raise UserError(f"{GROUP_VAR}={group} and {GROUPS_VAR}={groups} are not valid: "
-                        f"{GROUPS_VAR} is the number of replica groups and {GROUP_VAR} this "
-                        f"group's number, 0 to {GROUPS_VAR}-1 (run_replicas.sh sets both)")
-    if not os.environ.get(LIGHTHOUSE_VAR):
-        raise UserError(f"{GROUP_VAR} is set but {LIGHTHOUSE_VAR} is not: give the lighthouse's "
-                        "address, http://<host>:<port> (run_replicas.sh starts one and sets it)")
-    return int(group), int(groups)
-
-
-def launch_problem() -> str | None:
-    """What stops this launch as a replica group, in a sentence, before torchrun starts (run.sh's
-    preflight): torchft missing, or no lighthouse at TORCHFT_LIGHTHOUSE. None when nothing does,
-    or the launch is no replica group. Imports neither torch nor torchft."""
-    try:
-        if from_environment() is None:
-            return None
-    except UserError as error:
-        return str(error)
-    if importlib.util.find_spec("torchft") is None:
-        return NEEDS_TORCHFT
-    return lighthouse_problem(os.environ[LIGHTHOUSE_VAR])
-
-
-def lighthouse_problem(address: str, seconds: float = LIGHTHOUSE_WAIT_S) -> str | None:
-    """Why no torchft lighthouse answers at `address`, in a sentence; None when one does. It is
-    asked for its dashboard page (HTTP, beside its gRPC service): torchft's client waits 60 s
-    where nothing answers, and its one cheap call, a heartbeat, would make the lighthouse wait
-    for this probe at the next quorum."""
-    where = f"{LIGHTHOUSE_VAR}={address}"
-    parts = urllib.parse.urlsplit(address)
-    try:
-        port = parts.port
-    except ValueError:  # not a number, or above 65535
-        port = None
-    if parts.scheme != "http" or not parts.hostname or not port or parts.path not in ("", "/"):
-        return (f"{where} is not a lighthouse's address: give it as http://<host>:<port>, "
-                "e.g. http://localhost:29510")
-    verdict = []
-    probe = threading.Thread(daemon=True, target=lambda: verdict.append(
-        _ask_lighthouse(parts.hostname, port, time.monotonic() + seconds)))
-    probe.start()
-    probe.join(seconds + 1)  # past the deadline of its connect and read: a name lookup hangs
-    absent, why = verdict[0] if verdict else (True, f"no answer in {seconds:g} s")
-    if why is None:
-        return None
-    if absent:
-        return (f"no torchft lighthouse at {where} ({why}): start it first (torchft_lighthouse "
-                f"--min_replicas 1 --bind [::]:{port} on {parts.hostname}), or set "
-                f"{LIGHTHOUSE_VAR} to its address (run_replicas.sh starts one and sets it)")
-    return (f"{where} is not a torchft lighthouse ({why}): set {LIGHTHOUSE_VAR} to the "
-            "lighthouse's address, http://<host>:<port>")
-
-
-def _ask_lighthouse(host: str, port: int, deadline: float) -> tuple[bool, str | None]:
-    """(whether nothing is there, why it is no lighthouse: None when it is one)."""
-    connection = http.client.HTTPConnection(host, port)
-    try:
-        while True:
-            connection.timeout = max(deadline - time.monotonic(), 0.01)
-            try:
-                connection.connect()
-                break
-            except ConnectionRefusedError:
-                if time.monotonic() + 0.1 > deadline:
-                    return True, "nothing listens there"
-                time.sleep(0.1)  # a lighthouse that is starting: it listens within seconds
-            except socket.gaierror:
-                return True, f"host {host} not found"
-            except TimeoutError:
-                return True, "the host does not answer"
-            except OSError as error:  # no route to the host, the network down
-                return True, (error.strerror or str(error)).lower()
-        try:
-            connection.request("GET", "/")
-            response = connection.getresponse()
-            page = response.read(1 << 16)
-        except TimeoutError:
-            return False, "the program there sends no answer"
-        except (OSError, http.client.HTTPException):
-            return False, "the program there does not answer as a web server"
-    finally:
-        connection.close()
-    if response.status != 200:
-        return False, f"the program there answers HTTP {response.status} {response.reason}"
-    if LIGHTHOUSE_PAGE not in page:
-        return False, "a web server that is not the lighthouse answers there"
-    return False, None
-
-
-def data_env(env: DistEnv, groups: tuple[int, int] | None) -> DistEnv:
-    """The ranks the training data is sharded over: every process of every replica group."""
-    if groups is None:
-        return env
-    group, count = groups
-    return dataclasses.replace(env, rank=group * env.world_size + env.rank,
-                               world_size=count * env.world_size, launched=True)
 
 
 class VotedOptimizer:
@@ -174,7 +35,7 @@ class VotedOptimizer:
     OptimizerWrapper does, but saying whether it did. Everything else is the wrapped optimizer's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, replicas: ReplicaGroups):
+    def __init__(self, optimizer: torch.optim.Optimizer, replicas: "ReplicaGroups"):
         self.optimizer, self.replicas, self.committed = optimizer, replicas, True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -185,9 +46,6 @@ class VotedOptimizer:
         """One all-reduce of every gradient, flattened in the parameters' order, which every
         group shares (a DDP bucket's layout is not: a restarted group lays its buckets out
         anew). Each rank's part with FSDP: the groups shard alike."""
-        import torch
-        from torch.distributed.tensor import DTensor
-
         grads = [param.grad for group in self.optimizer.param_groups
                  for param in group["params"] if param.grad is not None]
         local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
@@ -239,8 +97,6 @@ class ReplicaGroups:
     live groups do not wait on this one while it builds its model), what heals it, the step log."""
 
     def __init__(self, group: int, groups: int, env: DistEnv, device: torch.device, cfg):
-        from ddpkit import dist_utils
-
         check_setup(env, cfg)
         self.group, self.groups, self.env, self.device = group, groups, env, device
         # torchft's own log says every quorum and each time that a flight recorder it does not
@@ -255,7 +111,6 @@ class ReplicaGroups:
         self.leading = False  # as the last quorum said (read without waiting: see leads)
         self.quorum_ready = False  # join's quorum is the first step's
         self.log_file = None
-        dist_utils.lead_group = self.leads
 
     def leads(self) -> bool:
         """Whether this group writes the run's files: the first live group of the last quorum
@@ -263,10 +118,19 @@ class ReplicaGroups:
         would wait for the quorum, which may be what is asking (a peer's heal)."""
         return self.leading
 
-    def join(self, run) -> bool:
-        """Join the live groups with the run as start_run built it (a new run or a resumed
-        checkpoint): its gradients averaged over the groups from now on, and its state copied
-        from a live group that is further on. True when it was."""
+    def join(self, run, resumed: bool) -> None:
+        """Join the live groups with the run as start_run built it (`resumed`: from a checkpoint,
+        or a restart of a run under way): its steps voted on from now on (train_step), and its
+        state copied from a live group that is further on; the training log follows."""
+        healed = self._join(run)
+        run.replicas, run.train_step = self, train_step
+        if self.leads() and not healed and resumed:
+            run.training_log.resume(run.position, truncate=run.position.step < run.total_steps)
+        elif healed:
+            run.training_log.resume(run.position, truncate=False)
+
+    def _join(self, run) -> bool:
+        """The Manager made and the first quorum formed; True when this group healed."""
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
@@ -358,8 +222,6 @@ class ReplicaGroups:
     # -- healing: what a live group sends a joining one ----------------------------------------
 
     def _state(self) -> dict:
-        from ddpkit.checkpoint import rng_state
-
         run = self.run
         parts = {name: part.state_dict() for name, part in run.parts().items()
                  if part is not None}
@@ -368,8 +230,6 @@ class ReplicaGroups:
                 "position": [position.step, position.epoch, position.step_in_epoch]}
 
     def _load_state(self, state: dict) -> None:
-        from ddpkit.checkpoint import set_rng_state
-
         run = self.run
         for name, part in run.parts().items():
             if part is not None and name in state["parts"]:
@@ -380,10 +240,22 @@ class ReplicaGroups:
         self.healed_at = run.position.step
 
 
+def train_step(model, optimizer, micro_batches, task, device, speed, scaler, grad_clip):
+    """A replica group's optimizer step (run_state.train_step's, voted on): the step's quorum
+    (zero_grad), the gradients averaged within the group and then over the live groups, and the
+    update applied only when every live group took part; when a group was lost during the step,
+    the same micro-batches run again with the groups still live."""
+    while True:
+        optimizer.zero_grad(set_to_none=True)
+        values, samples = compute_gradients(model, micro_batches, task, device, speed, scaler)
+        optimizer.average_gradients()
+        grad_norm = apply_gradients(model, optimizer, scaler, grad_clip)
+        if optimizer.committed:
+            return values, samples, grad_norm
+
+
 def weights_digest(model: torch.nn.Module) -> str:
     """SHA-256 of the model's parameters and buffers, in order: equal digests, equal weights."""
-    import torch
-
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         if isinstance(tensor, torch.Tensor):

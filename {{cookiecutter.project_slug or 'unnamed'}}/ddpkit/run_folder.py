@@ -1,0 +1,183 @@
+"""The run folder: where a run lives, chosen by rank 0 and shared with the other ranks (one folder
+per job, never one per process), and its lock.
+
+`run.dir`, or the folder of this job (found again by its job id: run.sh's RDZV_ID or the SLURM
+job id, else the id torchrun gives every attempt of a job), or a new timestamped one. Rank 0
+takes an flock on the folder for the job's lifetime, so two jobs never train in one folder. A
+folder that cannot be made or locked (a full disk) is one line, and leaves nothing behind.
+"""
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ddpkit import dist_utils
+from ddpkit.config import UserError
+from ddpkit.dist_utils import DistEnv
+from ddpkit.writes import write_failure
+
+log = logging.getLogger("ddp")
+
+
+log = logging.getLogger("ddp")
+
+
+JOB_ID_FILE = ".job_id"  # the id of the job that made the folder: a requeue finds it by this
+
+
+LOCK_FILE = ".lock"  # held by the job training in the folder; names its host and pid
+
+
+_held_locks: list = []  # open lock files: the lock lasts as long as the process
+
+
+def job_id() -> str:
+    """The id a restarted or requeued job keeps: run.sh's DDP_JOB_ID (RDZV_ID, else the SLURM
+    job id), else the torchrun run id (the same for every restart of one torchrun)."""
+    return os.environ.get("DDP_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
+def lock_run_dir(path: Path, name: str = LOCK_FILE) -> None:
+    """Rank 0 takes the run folder for this job, or refuses with one line naming the holder.
+
+    An flock: the kernel releases it when its process ends, however it ends, so a lock left by
+    a killed job is free again; taking it over from another job says so once.
+    """
+    lock = path / name
+    existed = lock.exists()
+    try:
+        handle = open(lock, "a+")  # noqa: SIM115 (kept open: the lock lasts with it)
+    except OSError as error:
+        raise UserError(write_failure(error, lock)) from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        handle.seek(0)
+        holder = _read_holder(handle.read())
+        handle.close()
+        raise UserError(f"run folder {path} is in use by another job (host {holder.get('host')}, "
+                        f"pid {holder.get('pid')}): wait for it to end, or use another run.dir"
+                        ) from None
+    handle.seek(0)
+    previous = _read_holder(handle.read())
+    if previous and previous.get("job") != job_id():
+        log.warning("took over run folder %s from host %s, pid %s, which is no longer running",
+                    path, previous.get("host"), previous.get("pid"))
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                 "job": job_id()}))
+        handle.flush()
+    except OSError as error:  # a full disk: no lock file of this launch's left behind
+        with contextlib.suppress(OSError):
+            handle.close()
+        if not existed:
+            lock.unlink(missing_ok=True)
+        raise UserError(write_failure(error, lock)) from None
+    _held_locks.append(handle)
+
+
+def _read_holder(text: str) -> dict:
+    with contextlib.suppress(ValueError):
+        return json.loads(text)
+    return {}
+
+
+@dataclass
+class RunDir:
+    path: Path
+    created: bool  # by this job: removed again if the job fails before it writes anything
+    opened_here: bool = True  # by this process (rank 0), which removes it again
+
+    def discard_if_unused(self) -> None:
+        """Rank 0, after a failure before training started: remove a folder this job created
+        and left empty (but for the run id marker), so failed launches leave no litter."""
+        if not (self.created and self.opened_here and self.path.is_dir()):
+            return
+        markers = [p for p in self.path.iterdir()
+                   if p.name == JOB_ID_FILE or p.name.startswith(LOCK_FILE)]
+        if len(markers) == len(list(self.path.iterdir())):
+            for marker in markers:
+                marker.unlink(missing_ok=True)
+            self.path.rmdir()
+
+
+def _create_run_dir(cfg: DictConfig) -> RunDir:
+    if cfg.run.dir:
+        path = Path(cfg.run.dir)
+        if cfg.train.resume == "never" and (path / "config.yaml").exists():
+            raise UserError(f"run.dir={path} already holds a run and train.resume=never: pick a "
+                            "new folder, delete it, or resume it with train.resume=auto")
+        created = not path.exists()
+        path.mkdir(parents=True, exist_ok=True)
+        return RunDir(path, created)
+    output_dir = Path(cfg.run.output_dir)
+    run_id = job_id()
+    if run_id and cfg.train.resume != "never":
+        for marker in output_dir.glob(f"*/{JOB_ID_FILE}"):
+            if marker.read_text() == run_id:
+                return RunDir(marker.parent, created=False)
+    base = output_dir / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    new_output_dir = not output_dir.exists()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1000):  # another run may have started in the same second
+        path = base.with_name(f"{base.name}-{attempt}") if attempt else base
+        try:
+            path.mkdir()
+            if run_id:
+                (path / JOB_ID_FILE).write_text(run_id)
+        except FileExistsError:
+            continue
+        except OSError as error:  # a full disk: the folders this made are removed again
+            shutil.rmtree(path, ignore_errors=True)
+            if new_output_dir:
+                with contextlib.suppress(OSError):
+                    output_dir.rmdir()
+            raise OSError(error.errno, error.strerror, str(path)) from None
+        return RunDir(path, created=True)
+    raise UserError(f"cannot create a new run folder next to {base}: too many exist")
+
+
+def open_run_dir(cfg: DictConfig, env: DistEnv, group: int | None = None) -> RunDir:
+    """The run folder, created (or found again) and locked by rank 0, the same on every rank
+    (collective). With replica groups, each group's rank 0 opens the shared folder and locks
+    its group's part of it."""
+    with dist_utils.agree_on_errors():
+        opens = env.rank == 0 if group is not None else env.is_main
+        run = _open_and_lock(cfg, group) if opens else None
+    path, created = dist_utils.broadcast_object((str(run.path), run.created) if run else None)
+    return RunDir(Path(path), created, opened_here=run is not None)
+
+
+def _open_and_lock(cfg: DictConfig, group: int | None) -> RunDir:
+    """Rank 0's part of open_run_dir: a folder it cannot create or lock (a full disk, say) is
+    one line, and a folder this launch created is removed again."""
+    try:
+        if group is not None:  # a replica group's: the folder of the job id the groups share
+            from ddpkit.extras.replicas.launch import replica_run_dir
+
+            run = RunDir(*replica_run_dir(cfg))
+        else:
+            run = _create_run_dir(cfg)
+    except OSError as error:
+        where = Path(error.filename or cfg.run.dir or cfg.run.output_dir)
+        raise UserError(write_failure(error, where)) from None
+    try:
+        lock_run_dir(run.path, LOCK_FILE if group is None else f"{LOCK_FILE}-group-{group}")
+    except UserError:
+        run.discard_if_unused()
+        raise
+    return run
