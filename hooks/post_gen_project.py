@@ -26,10 +26,9 @@ def fit_default_batch(world: int) -> None:
 
 
 fit_default_batch(processes)
-if "{{ cookiecutter.scheduler }}" != "slurm":
-    for name in ("slurm.sbatch", "cluster.sh"):
-        (project / name).unlink()  # files that do not apply are not generated
-for script in ("run.sh", "run_replicas.sh", "slurm.sbatch"):
+# Every bake carries every launcher (slurm.sbatch, launch/): the answers only set their defaults,
+# so that a project baked for one machine can move to a cluster without baking again.
+for script in ("run.sh", "run_replicas.sh", "slurm.sbatch", "launch/node.sh"):
     path = project / script
     if path.exists():
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
@@ -43,15 +42,21 @@ else:
     here = "NNODES=1 ./run.sh"
     train = ("train on this machine alone: {{ cookiecutter.gpus_per_node }} process(es); all "
              "{{ cookiecutter.num_nodes }} nodes: README, Several machines")
+launches = [f"  {here:<29} # {train}",
+            "  sbatch slurm.sbatch           # train under SLURM: {{ cookiecutter.num_nodes }} "
+            "node(s) x {{ cookiecutter.gpus_per_node }} GPU(s)"]
+if "{{ cookiecutter.scheduler }}" == "slurm":  # the one answer the scheduler prompt sets
+    launches.reverse()
+launch_lines = "\n".join(launches)
 print(f"""
 Created {project}
 
 Next steps:
   cd {project}
   python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[dev]'
-  {here:<29} # {train}{% if cookiecutter.scheduler == "slurm" %}
-  sbatch slurm.sbatch           # train under SLURM: {{ cookiecutter.num_nodes }} node(s) x {{ cookiecutter.gpus_per_node }} GPU(s){% endif %}
+{launch_lines}
   {here} evaluate.py eval.checkpoint=runs/<run folder>
   tensorboard --logdir runs
+  python -m ddpkit.targets      # what SLURM, Kubernetes and SkyPilot (launch/) each run
 See README.md for swapping in your own model and data.
 """)

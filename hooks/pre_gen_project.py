@@ -18,11 +18,17 @@ ANSWERS = {
     "slurm_partition": {{ cookiecutter.slurm_partition | string | tojson }},
     "slurm_account": {{ cookiecutter.slurm_account | string | tojson }},
     "slurm_time": {{ cookiecutter.slurm_time | string | tojson }},
+    "accelerator": {{ cookiecutter.accelerator | string | tojson }},
+    "runs_storage": {{ cookiecutter.runs_storage | string | tojson }},
 }
 MAX_GPUS_PER_NODE = 1024
 MAX_NODES = 4096
 SCHEDULERS = ("none", "slurm")
 SLURM_NAME = r"[A-Za-z0-9_.-]+"
+# A SkyPilot accelerator name (H100, A100-80GB, tpu-v5e-8), without its count.
+ACCELERATOR = r"[A-Za-z][A-Za-z0-9_.-]*"
+# A name both a Kubernetes PersistentVolumeClaim (DNS-1123 label) and a bucket accept.
+STORAGE = r"[a-z0-9]([a-z0-9-]{1,61}[a-z0-9])"
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS.
 SLURM_TIME = r"[0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}"
 
@@ -55,7 +61,25 @@ def problems(answers: dict) -> list[str]:
         found.append(
             f"scheduler {answers['scheduler']!r} is not valid: choose one of {', '.join(SCHEDULERS)}"
         )
-    return found + slurm_problems(answers)
+    # runs_storage's default follows project_slug: a wrong slug is told once, not twice.
+    slug_ok = not any(line.startswith("project_slug") for line in found)
+    return found + slurm_problems(answers) + cloud_problems(answers, storage=slug_ok)
+
+
+def cloud_problems(answers: dict, storage: bool) -> list[str]:
+    """launch/'s answers: an accelerator name and a storage name Kubernetes and buckets accept."""
+    found = []
+    if not re.fullmatch(ACCELERATOR, answers["accelerator"]):
+        found.append(
+            f"accelerator {answers['accelerator']!r} is not valid: give a GPU type without its "
+            "count, e.g. H100, A100-80GB or L4 (the count is gpus_per_node)"
+        )
+    if storage and not re.fullmatch(STORAGE, answers["runs_storage"]):
+        found.append(
+            f"runs_storage {answers['runs_storage']!r} is not valid: use 3 to 63 lowercase "
+            "letters, digits and -, starting and ending with a letter or digit, e.g. my-exp-runs"
+        )
+    return found
 
 
 def slurm_problems(answers: dict) -> list[str]:

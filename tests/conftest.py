@@ -8,8 +8,8 @@ from pathlib import Path
 
 TEMPLATE = Path(__file__).resolve().parents[1]
 UNRENDERED = re.compile(r"\{\{|\{%|\{#")
-# A block of one of the baked README's recipes: `<!-- [name ]recipe: action -->`, then the fenced
-# code. The first recipe ("Bring your own") has no name.
+# A block of one of the baked project's recipes: `<!-- [name ]recipe: action -->`, then the fenced
+# code. The README's recipe ("Bring your own") has no name; the others are in docs/recipes/.
 RECIPE_BLOCK = re.compile(
     r"<!-- (?:(?P<recipe>\w+) )?recipe: (?P<action>.+?) -->\n```\w*\n(?P<body>.*?)```", re.S)
 
@@ -38,9 +38,15 @@ def unrendered_files(project: Path) -> list[str]:
 
 
 def recipe_blocks(project: Path, recipe: str = "") -> list[tuple[str, str]]:
-    """One recipe's blocks in the project's README, in order: (action, body) pairs."""
-    found = RECIPE_BLOCK.finditer((project / "README.md").read_text())
-    return [(m["action"], m["body"]) for m in found if (m["recipe"] or "") == recipe]
+    """One recipe's blocks, in order: (action, body) pairs. They are found in the project's README
+    and its docs/recipes/*.md pages, and must all be in one of them."""
+    pages = [project / "README.md", *sorted((project / "docs" / "recipes").glob("*.md"))]
+    found = {page.relative_to(project): [
+        (m["action"], m["body"]) for m in RECIPE_BLOCK.finditer(page.read_text())
+        if (m["recipe"] or "") == recipe] for page in pages}
+    holding = [page for page, blocks in found.items() if blocks]
+    assert len(holding) == 1, f"recipe {recipe!r} has blocks in {holding or 'no page'}"
+    return found[holding[0]]
 
 
 def apply_edit(project: Path, action: str, body: str) -> None:

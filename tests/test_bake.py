@@ -16,6 +16,9 @@ EXPECTED_FILES = {
     "README.md", "pyproject.toml", "run.sh", ".gitignore", "configs/default.yaml", "train.py",
     "evaluate.py", "export.py", "sweep.py", "report.py", "check_equivalence.py", "config.py",
     "model.py", "data_sources.py", "tasks.py", "settings.py",
+    # every launcher, whatever the answers: SLURM, Kubernetes, SkyPilot and the image
+    "slurm.sbatch", "cluster.sh", ".dockerignore", "launch/node.sh", "launch/trainjob.yaml",
+    "launch/sky.yaml", "launch/Containerfile",
     # the engine, in one package
     *(f"ddpkit/{name}.py" for name in (
         "__init__", "project", "recipes", "config", "dist_utils", "data", "splits", "datasets",
@@ -24,12 +27,13 @@ EXPECTED_FILES = {
         "run_setup", "run_state", "run_end", "resume_settings", "optimizers", "schedules", "smoke",
         "utilization", "equivalence", "validation", "schema", "run_folder", "writes", "position",
         "checkpoint_files", "checkpoint_load", "exits", "supervisor", "lifecycle", "worker",
-        "launcher")),
+        "launcher", "targets")),
     # optional features, imported only when used
     *(f"ddpkit/extras/{name}.py" for name in (
         "__init__", "sweep/__init__", "sweep/space", "sweep/folder", "sweep/checks", "sweep/local",
         "sweep/slurm", "sweep/optuna_search", "sweep/summary", "sweep/main", "trackers",
-        "replicas/__init__", "replicas/launch", "replicas/groups", "elastic")),
+        "replicas/__init__", "replicas/launch", "replicas/groups", "elastic",
+        "kubeflow_progress")),
     "tests/conftest.py", "tests/fixtures.py",
     "tests/test_config.py", "tests/test_data.py", "tests/test_dist_utils.py",
     "tests/test_distributed.py", "tests/test_examples.py", "tests/test_metrics.py",
@@ -39,6 +43,7 @@ EXPECTED_FILES = {
     "tests/test_fsdp.py", "tests/reshard_probe.py", "tests/test_sweep.py",
     "tests/test_tracking.py", "tests/test_optimization.py", "tests/test_equivalence.py",
     "tests/equivalence_models.py", "tests/test_batches.py", "tests/test_validation.py",
+    "tests/test_launchers.py",
 }
 
 
@@ -65,11 +70,13 @@ def test_bake_renders_everything(cookies, answers):
     assert meta["name"] == answers.get("project_slug", project.name)
     assert meta["authors"] == [{"name": answers.get("author", "Your Name")}]
     assert any(dep.startswith("torch>=") for dep in meta["dependencies"])
-    # Hugging Face models are an extra (and part of dev, whose tests use it), not a dependency.
+    # Hugging Face models are an extra (and part of `all`), not a dependency.
     assert not any(dep.startswith("transformers") for dep in meta["dependencies"])
     extras = meta["optional-dependencies"]
     assert extras["transformers"] == ["transformers>=4.46"]
-    assert any("transformers" in dep for dep in extras["dev"])
+    # dev is the test tools alone; `all` brings every optional feature (issue 43).
+    assert not any("transformers" in dep for dep in extras["dev"])
+    assert any("transformers" in dep for dep in extras["all"])
 
     run_sh = project / "run.sh"
     assert os.stat(run_sh).st_mode & stat.S_IXUSR
@@ -127,9 +134,12 @@ def test_slurm_bake_asks_for_the_nodes_and_gpus_and_passes_shellcheck(cookies):
       ["#SBATCH --partition=gpu,gpu-long", "#SBATCH --time=90"])],
     ids=["all-three", "partitions-and-minutes"],
 )
-def test_slurm_answers_become_sbatch_lines(cookies, answers, lines):
+def test_slurm_answers_become_sbatch_lines(cookies, capfd, answers, lines):
     result = cookies.bake(extra_context={"scheduler": "slurm", **answers})
     assert result.exit_code == 0, result.exception
+    printed = [line.split()[0] for line in capfd.readouterr().out.splitlines()
+               if line.startswith(("  sbatch ", "  ./run.sh "))]
+    assert printed[:2] == ["sbatch", "./run.sh"]  # scheduler=slurm: the next steps lead with it
     sbatch = (result.project_path / "slurm.sbatch").read_text().splitlines()
     assert [line for line in sbatch if line.startswith(SLURM_CHOICES)] == lines
     # A sweep's job array asks for the same partition, account and time.
@@ -141,20 +151,26 @@ def test_slurm_answers_become_sbatch_lines(cookies, answers, lines):
             if line.startswith(SLURM_CHOICES)] == lines
 
 
-def test_default_bake_has_no_slurm_file_and_a_clean_run_sh(cookies):
-    project = cookies.bake().project_path
-    for name in ("slurm.sbatch", "cluster.sh"):
-        assert not (project / name).exists()  # files that do not apply are not generated
-    checked = shellcheck(project / "run.sh")
-    assert checked.returncode == 0, checked.stdout
-    # A sweep's job array runs slurm.sbatch: without it, one line and nothing written.
-    refused = run([sys.executable, "sweep.py", "--slurm", "--dry-run", "optim.lr=1e-3,3e-3"],
-                  cwd=project, timeout=60)
-    assert refused.returncode == 2 and refused.stdout.strip().splitlines() == [
-        "error: --slurm runs each trial through slurm.sbatch, which this project was baked "
-        "without (scheduler=none): bake it with scheduler=slurm, or drop --slurm to run the "
-        "trials on this machine"], refused.stdout
-    assert not (project / "runs").exists()
+def test_default_bake_can_reach_slurm(cookies, capfd):
+    """scheduler=none (the default) still carries slurm.sbatch and cluster.sh: the answer only
+    says what the README leads with."""
+    result = cookies.bake()
+    assert result.exit_code == 0, result.exception
+    project = result.project_path
+    printed = capfd.readouterr().out.splitlines()  # the next steps the bake prints
+    sbatch_line = "  sbatch slurm.sbatch           # train under SLURM: 1 node(s) x 2 GPU(s)"
+    assert sbatch_line in printed
+    assert printed.index(sbatch_line) == printed.index(next(
+        line for line in printed if line.startswith("  ./run.sh "))) + 1  # run.sh first
+    sbatch = (project / "slurm.sbatch").read_text()
+    assert "#SBATCH --nodes=1\n" in sbatch and "#SBATCH --gpus-per-node=2\n" in sbatch
+    for name in ("slurm.sbatch", "launch/node.sh"):
+        assert os.stat(project / name).st_mode & stat.S_IXUSR
+    # A sweep's job array runs slurm.sbatch, there in every project.
+    written = run([sys.executable, "sweep.py", "--slurm", "--dry-run", "--name", "lr",
+                   "optim.lr=1e-3,3e-3"], cwd=project, timeout=60)
+    assert written.returncode == 0, written.stdout
+    assert (project / "runs" / "sweeps" / "lr" / "array.sbatch").is_file()
 
 
 def test_the_baked_code_reads_in_screens(cookies):

@@ -1,8 +1,8 @@
-"""The baked README's "Bring your own" recipe, applied literally to a fresh bake: a file-backed
-dataset, a model with BatchNorm and a flag-gated head, the binary task, a loss term and a logged
-scalar of the user's own. Only the files the recipe names change; training runs on 3 processes and
-evaluation is identical on 1, 2 and 3 (201 test samples: uneven shards), and equal to
-scikit-learn's."""
+"""The baked README's recipe ("Bring your own data, model and loss"), applied literally to a fresh
+bake: a file-backed dataset, a model with BatchNorm and a flag-gated head, the binary task, a loss
+term and a logged scalar of the user's own. Only the files the recipe names change; training runs
+on 3 processes and evaluation is identical on 1, 2 and 3 (201 test samples: uneven shards), and
+equal to scikit-learn's."""
 
 import filecmp
 import json

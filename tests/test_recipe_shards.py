@@ -1,4 +1,4 @@
-"""The baked README's shard recipe ("Your own shard files"), applied literally to a fresh bake:
+"""The baked project's shard recipe (docs/recipes/shards.md), applied literally to a fresh bake:
 jsonl shards of uneven sizes with a counts file, a generator reader and a training transform in
 data_sources.py, a config that selects them. Only the user's files change; the recipe's
 training runs on 1 process (27 steps an epoch, the last of 9 samples), and its evaluation on 2

@@ -1,8 +1,9 @@
-"""The baked README's second recipe (a Hugging Face transformer on sentences of any length),
-applied literally to a fresh bake: dict samples padded per batch by the dataset's collate,
-keyword inputs, two parameter groups, a step schedule, validation every 10 steps and the best
-checkpoint exported. Only the user's files change; training runs on 3 processes, evaluation is
-identical at 1, 2 and 3 processes and equal to scikit-learn's on the saved predictions, and
+"""The baked project's transformer recipe (docs/recipes/transformer.md: a Hugging Face
+transformer on sentences of any length), applied literally to a fresh bake: dict samples padded
+per batch by the dataset's collate, keyword inputs, a head at 10x the rate with the no-decay rule
+kept (decay_groups), a step schedule, validation every 10 steps and the best checkpoint
+exported. Only the user's files change; training runs on 3 processes, evaluation is identical at
+1, 2 and 3 processes and equal to scikit-learn's on the saved predictions, and
 check_equivalence.py passes."""
 
 import json
@@ -42,7 +43,10 @@ def test_the_recipe_touches_only_the_users_files_and_trains_as_it_says(applied):
     lint = run([sys.executable, "-m", "ruff", "check", "."], cwd=project, timeout=120)
     assert lint.returncode == 0, lint.stdout
     assert "3 process(es) on cpu" in output
-    assert re.search(r"optimizer (fused )?AdamW, 2 parameter group\(s\), lr 0\.002, 0\.02", output)
+    # decay_groups: the encoder and the head, each split into weights that decay and biases and
+    # norm weights that do not.
+    assert re.search(r"optimizer (fused )?AdamW, 4 parameter group\(s\), lr 0\.002, 0\.02, "
+                     r"weight decay 0\.01 on \d+ tensors \([\d,]+ params\), none on [1-9]", output)
     flops = [line for line in output.splitlines() if "model FLOPs: " in line]
     assert flops and float(flops[0].split("model FLOPs: ")[1].split()[0]) > 0, output
     assert "PASS: 2 process(es)" in output  # check_equivalence.py
@@ -50,6 +54,10 @@ def test_the_recipe_touches_only_the_users_files_and_trains_as_it_says(applied):
     rates = {record["step"]: record["lr"] for record in steps}
     # The step schedule halves the encoder's rate every 40 steps, after the warmup.
     assert [rates[step] for step in (10, 50, 100)] == pytest.approx([0.002, 0.001, 0.0005])
+    # Every group's rate is logged under its name: the head's at 10x the encoder's.
+    for record in steps:
+        assert record["lr/encoder"] == record["lr/encoder.no_decay"] == record["lr"]
+        assert record["lr/head"] == record["lr/head.no_decay"] == pytest.approx(10 * record["lr"])
 
 
 def test_validation_every_10_steps_and_model_pt_from_the_best(applied):

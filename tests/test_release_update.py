@@ -120,7 +120,13 @@ def test_a_run_of_the_previous_release_resumes_exactly_after_cruft_update(
     # The same steps, learning rates, losses and accuracies, before the stop and after it, and
     # the same final weights, bit for bit: the optimizer state, the schedule, the data position
     # and the random streams all carried over.
-    assert trained_log(run_dir) == trained_log(tmp_path / "whole")
+    # Release 1.0.0 logged the next step's rate as `lr`, later ones the rate the step trained
+    # with: the lines 1.0.0 wrote (up to its checkpoint at step 20) are compared without it.
+    ours, whole = trained_log(run_dir), trained_log(tmp_path / "whole")
+    if previous == "1.0.0":
+        ours, whole = ([{**entry, "lr": None} if entry["step"] <= 20 else entry for entry in log]
+                       for log in (ours, whole))
+    assert ours == whole
     ours, theirs = final_weights(run_dir), final_weights(tmp_path / "whole")
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)

@@ -1,4 +1,4 @@
-"""A baked project's slurm.sbatch on a real one-node SLURM cluster (Debian's slurmctld, slurmd
+"""A default bake's slurm.sbatch on a real one-node SLURM cluster (Debian's slurmctld, slurmd
 and munge, started here by scripts/slurm_cluster.sh and stopped after): the job is preempted
 with `scancel --signal=TERM`, checkpoints the step it reached, requeues itself and finishes
 with the same weights and epoch metrics as an uninterrupted run."""
@@ -88,7 +88,7 @@ def epoch_records(run_dir: Path) -> list[dict]:
 
 def test_sbatch_preempted_requeues_itself_and_finishes_as_if_uninterrupted(
         cluster, cookies, tmp_path):
-    baked = cookies.bake(extra_context={"scheduler": "slurm"})
+    baked = cookies.bake()  # the default answers (scheduler=none): every bake has slurm.sbatch
     assert baked.exit_code == 0, baked.exception
     project = baked.project_path
     # cluster.sh as baked activates the project's .venv on the node: a stand-in that says so.
@@ -131,7 +131,7 @@ def test_sbatch_preempted_requeues_itself_and_finishes_as_if_uninterrupted(
 
 def test_a_sweep_runs_as_a_job_array_and_its_summary_ranks_the_trials(cluster, cookies,
                                                                       tmp_path):
-    baked = cookies.bake(extra_context={"scheduler": "slurm"})
+    baked = cookies.bake()
     assert baked.exit_code == 0, baked.exception
     project = baked.project_path
     short = [*ARGS, "train.epochs=2", "eval.batch_size=64"]
@@ -165,12 +165,12 @@ def test_a_sweep_runs_as_a_job_array_and_its_summary_ranks_the_trials(cluster, c
     assert again.returncode == 0 and "every trial finished" in again.stdout, again.stdout
 
 
-def output_of_a_setup_mistake(project: Path, env: dict) -> str:
+def output_of_a_setup_mistake(project: Path, env: dict, *args: str) -> str:
     """Submit slurm.sbatch; the job must fail with status 2 (a mistake in the setup: not
     requeued). Returns its output."""
-    submitted = subprocess.run(["sbatch", "--parsable", "slurm.sbatch"], cwd=project, env=env,
-                               text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               timeout=60, check=False)
+    submitted = subprocess.run(["sbatch", "--parsable", "slurm.sbatch", *args], cwd=project,
+                               env=env, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, timeout=60, check=False)
     assert submitted.returncode == 0, submitted.stdout
     job = submitted.stdout.strip().split(";")[0]
     wait(lambda: job_state(job, env).get("JobState") == "FAILED", "the job to fail", 120, job,
@@ -180,7 +180,7 @@ def output_of_a_setup_mistake(project: Path, env: dict) -> str:
 
 
 def test_a_failing_cluster_sh_stops_the_job_in_one_line(cluster, cookies):
-    baked = cookies.bake(extra_context={"scheduler": "slurm"})
+    baked = cookies.bake()
     assert baked.exit_code == 0, baked.exception
     project = baked.project_path
     with open(project / "cluster.sh", "a") as handle:
@@ -193,9 +193,20 @@ def test_a_failing_cluster_sh_stops_the_job_in_one_line(cluster, cookies):
     assert "not reached" not in output and "requeueing" not in output, output
 
 
+def test_without_cluster_sh_the_job_runs_in_sbatchs_environment(cluster, cookies):
+    # A project that took slurm.sbatch from `cruft update` has no cluster.sh (updates skip it):
+    # run.sh runs, here to its own one line about the command.
+    project = cookies.bake().project_path
+    (project / "cluster.sh").unlink()
+    output = output_of_a_setup_mistake(project, command_env(**cluster), "train.epochs=none")
+    assert [line for line in output.splitlines() if line.startswith("error:")] == [
+        "error: train.epochs=none is not valid (command line): train.epochs must be a whole "
+        "number"], output
+
+
 def test_an_elastic_minimum_above_the_nodes_asked_for_is_one_line(cluster, cookies):
     # MIN_NODES=2 where the job asks for 1 node
-    baked = cookies.bake(extra_context={"scheduler": "slurm"})
+    baked = cookies.bake()
     assert baked.exit_code == 0, baked.exception
     project = baked.project_path
     output = output_of_a_setup_mistake(project, command_env(MIN_NODES="2", **cluster))
@@ -205,7 +216,7 @@ def test_an_elastic_minimum_above_the_nodes_asked_for_is_one_line(cluster, cooki
 
 def test_torchft_replica_groups_run_as_a_job(cluster, cookies, tmp_path):
     # TORCHFT=1: the lighthouse on the first node, a replica group per node (here, one).
-    baked = cookies.bake(extra_context={"scheduler": "slurm"})
+    baked = cookies.bake()
     assert baked.exit_code == 0, baked.exception
     project = baked.project_path
     env = command_env(TORCHFT="1", NPROC_PER_NODE="2", LIGHTHOUSE_PORT=str(free_port()),

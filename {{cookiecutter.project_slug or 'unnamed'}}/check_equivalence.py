@@ -4,6 +4,7 @@
     python check_equivalence.py --nproc 4 --steps 10 model.name=mine
     python check_equivalence.py --nproc 2 --accum 2      # and gradient accumulation on top
     python check_equivalence.py --strategy fsdp          # N processes with FSDP vs 1
+    python check_equivalence.py --config configs/my_experiment.yaml   # your experiment's config
 
 It trains the same config twice for a few optimizer steps, with the same *global* batch: once
 as one process (`python train.py`) and once under torchrun with --nproc processes (and
@@ -160,7 +161,8 @@ def gradient_signal(common: list[str], steps: int, params_one: dict) -> dict | N
         return None
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The options, and the config: --config FILE first, then the key=value overrides."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="processes of the second run")
     parser.add_argument("--accum", type=int, default=1, help="grad_accum_steps of the 2nd run")
@@ -178,8 +180,17 @@ def main(argv: list[str]) -> int:
                         help="parameters in the table of the worst (failing ones: all)")
     parser.add_argument("--workdir", type=Path, help="keep the runs here (default: temporary); "
                         "a finished 1-process run of the same config there is reused")
+    parser.add_argument("--config", metavar="FILE", help="the config file both runs start from, "
+                        "as train.py takes it (default: configs/default.yaml); key=value "
+                        "overrides after the options apply on top")
     args, overrides = parser.parse_known_args(argv)
+    if args.config:
+        overrides = ["--config", args.config, *overrides]
+    return args, overrides
 
+
+def main(argv: list[str]) -> int:
+    args, overrides = parse_args(argv)
     try:
         load_config(overrides, world_size=args.nproc * args.accum)
         steps = steps_to_compare([*overrides, *SWITCHED_OFF], args.steps)

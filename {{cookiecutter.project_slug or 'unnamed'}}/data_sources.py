@@ -11,10 +11,10 @@ Add a builder and register it in `DATASETS`; select it with `data.dataset=<key>`
 
 A builder returns `splits.Splits`: the train, val and test splits and what the task needs to
 know of them; for batches of any shape, also how samples become a batch (`collate=`), the
-training order (`train_sampler=`) and `drop_last=` (README: "Bring your own"). A split is a
-map-style dataset (any `torch.utils.data.Dataset`) or, for data written as shard files, a
-`streams.ShardedStream`: the shards, a module-level function that reads one, and the sample
-count of each (README: "Data in shard files", ddpkit/streams.py).
+training order (`train_sampler=`) and `drop_last=` (docs/data.md: "Batches of any shape"). A
+split is a map-style dataset (any `torch.utils.data.Dataset`) or, for data written as shard
+files, a `streams.ShardedStream`: the shards, a module-level function that reads one, and the
+sample count of each (docs/data.md: "Data in shard files", ddpkit/streams.py).
 Every command loads this file (ddpkit/recipes.py) before it looks a dataset up, so every entry you
 add here is seen. The built-in datasets (digits, digits_files, digits_shards, breast_cancer,
 diabetes, synthetic, images) and the helpers imported below live in ddpkit/datasets.py, which is

@@ -5,8 +5,11 @@
     ./run.sh evaluate.py eval.checkpoint=runs/<run>/model.pt  # the final model, in one file
     python evaluate.py eval.checkpoint=runs/<run> data.root=/scratch/moved   # one process
 
-A run folder means its newest intact checkpoint; a checkpoint folder (checkpoints/step-N, saved
-by any number of processes, DDP or FSDP) and a one-file model (model.pt, export.py) load alike, into
+A run folder means what the run gives as its result: with train.export=best, the model.pt it
+exported (the best validation's weights); otherwise its newest intact checkpoint (the last
+weights), and one line says which it took and how to take another (runs/<run>/checkpoints: the
+newest checkpoint; runs/<run>/checkpoints/step-N: that one). A checkpoint folder (saved by any
+number of processes, DDP or FSDP) and a one-file model (model.pt, export.py) load alike, into
 the bare model on every rank. The model and the task come from the checkpoint (with the config
 it was trained with); data settings may be overridden (data that moved: `data.root=`), and so
 may the evaluation, speed and device settings. A `model.*` or `task.*` override that
@@ -33,9 +36,17 @@ from ddpkit import (
     lifecycle,
     recipes,
 )
+from ddpkit.checkpoint_files import MODEL_FILE
 from ddpkit.config import UserError, config_from_dict, given_keys, load_config
 from ddpkit.data import DataModule
-from ddpkit.evaluation import OutputFolder, evaluate_split, scalars, summary_lines, write_outputs
+from ddpkit.evaluation import (
+    OutputFolder,
+    evaluate_split,
+    run_folder_choice,
+    scalars,
+    summary_lines,
+    write_outputs,
+)
 from ddpkit.parallel import build_model
 from ddpkit.run_setup import trackers, tracking_on
 from ddpkit.speed import resolve_speed
@@ -51,14 +62,30 @@ FIXED_BY_CHECKPOINT = ("model", "task")  # sections an override may not contradi
 def checkpoint_to_evaluate(cfg: DictConfig) -> Path:
     """eval.checkpoint, or the newest run in run.output_dir when it is not set."""
     if cfg.eval.checkpoint:
-        return checkpoint_files.find_checkpoint(cfg.eval.checkpoint)
+        return chosen(cfg.eval.checkpoint)
     newest = checkpoint_files.newest_run(Path(cfg.run.output_dir))
     if newest is None:
         raise UserError(f"eval.checkpoint is not set and {cfg.run.output_dir}/ holds no run with "
                         "a checkpoint: train first (./run.sh), or pass eval.checkpoint=<run "
                         "folder, checkpoint folder or model.pt>")
     log.info("eval.checkpoint not set: evaluating the newest run, %s", newest)
-    return checkpoint_files.find_checkpoint(str(newest))
+    return chosen(str(newest))
+
+
+def chosen(spec: str) -> Path:
+    """What eval.checkpoint=`spec` names, found and verified: a checkpoint or a model file as
+    given; for a run folder, what the run gives as its result (evaluation.run_folder_choice),
+    said in one line with how to take another."""
+    run_dir = Path(spec)
+    if not (run_dir / "checkpoints").is_dir():  # a checkpoint, a model file, a checkpoints/
+        return checkpoint_files.find_checkpoint(spec)
+    target, weights = run_folder_choice(run_dir)
+    source = checkpoint_files.find_checkpoint(str(target))
+    other = (f"its newest checkpoint: eval.checkpoint={run_dir / 'checkpoints'}"
+             if source.name == MODEL_FILE else
+             f"another: eval.checkpoint={run_dir / 'checkpoints'}/step-<N>")
+    log.info("run folder %s: evaluating %s (%s); %s", run_dir, source, weights, other)
+    return source
 
 
 def evaluation_config(cfg: DictConfig, argv: list[str], stored: dict, source: Path) -> DictConfig:

@@ -19,9 +19,12 @@ The optimizer and the schedule come from the `optim` settings (docs/optimization
 optional hooks take over where settings are not enough. Each gets the whole config (`cfg.optim`):
 
     def my_groups(model: nn.Module, cfg: DictConfig) -> list[dict]:  # optim.param_groups=mine
-        head = list(model.head.parameters())  # model: your module, unwrapped (names as yours)
-        body = [p for p in model.parameters() if all(p is not q for q in head)]
-        return [{"params": body, "lr": cfg.optim.lr / 10}, {"params": head, "weight_decay": 0.0}]
+        def in_head(name):  # model: your module, unwrapped (parameter names as yours)
+            return name.startswith("head.")
+        decay = cfg.optim.weight_decay  # decay_groups: no decay on biases and norm weights
+        return [*decay_groups(model, decay, only=lambda n: not in_head(n), name="body",
+                              lr=cfg.optim.lr / 10),
+                *decay_groups(model, decay, only=in_head, name="head")]
 
     PARAM_GROUPS["mine"] = my_groups  # frozen parameters (requires_grad False) are left out
 
@@ -45,5 +48,5 @@ from torch import nn  # noqa: F401
 
 from ddpkit.config import UserError  # noqa: F401
 from ddpkit.models import MODELS  # noqa: F401
-from ddpkit.optimizers import OPTIMIZERS, PARAM_GROUPS  # noqa: F401
+from ddpkit.optimizers import OPTIMIZERS, PARAM_GROUPS, decay_groups  # noqa: F401
 from ddpkit.schedules import SCHEDULES  # noqa: F401

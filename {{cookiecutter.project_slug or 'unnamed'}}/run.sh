@@ -20,7 +20,8 @@
 # (SIGTERM, SIGUSR1 or SIGHUP: a checkpoint was saved, or the workers had not started: run the
 # same command again, with the same RDZV_ID or SLURM job, and it continues), 130 interrupted
 # (SIGINT, Ctrl-C), 1 the job stalled or failed (the report says which rank and where).
-# torchrun itself exits 0 or 1 (README: "Exit statuses and restarts" says why they differ).
+# torchrun itself exits 0 or 1 (docs/launch-and-clusters.md: "Exit statuses and restarts" says
+# why they differ).
 #
 # The checks, and torchrun's command line, are ddpkit/preflight.py's and launcher.py's; this
 # script starts torchrun, passes signals on to the workers, and turns how the job ended into its
@@ -88,9 +89,9 @@ mapfile -d '' -t command <"$launch_tmp/command"
 
 # Signals, once torchrun runs. SLURM (or another scheduler) sends SIGTERM or SIGUSR1 before it
 # kills a job, a closed terminal SIGHUP, Ctrl-C SIGINT. torchrun starts with the four ignored and
-# keeps them so (given --signals-to-handle without them, where it has that flag: torch 2.11+), so
-# it neither kills the workers nor prints a traceback; an older one handles those it is sent
-# (docs/launch-and-clusters.md). This script passes them on to the workers torchrun has (SIGHUP
+# keeps them so (given --signals-to-handle without them, where it has that flag: torch 2.10+; an
+# older one starts with them blocked too: ddpkit/launcher.py), so it neither kills the workers nor
+# prints a traceback. This script passes them on to the workers torchrun has (SIGHUP
 # as SIGTERM): on SIGTERM or SIGUSR1 they save a checkpoint at the step all ranks agree on, on
 # SIGINT they leave at once. It writes a mark beside the status file first (.preempted,
 # .interrupted): a worker still starting ignores the signal, and finds the mark when it listens.

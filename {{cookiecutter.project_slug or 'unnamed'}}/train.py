@@ -26,6 +26,7 @@ import time
 from tqdm import tqdm
 
 from ddpkit import lifecycle, recipes
+from ddpkit.config import given_keys, notes_at_start
 from ddpkit.profiling import StepProfiler
 from ddpkit.run_end import end_run, save_and_export, stop_for_preemption, summary_on_failure
 from ddpkit.run_setup import describe_run, start_run
@@ -41,6 +42,9 @@ def main(argv: list[str]) -> None:
     recipes.load()  # your model.py, data_sources.py and tasks.py add to the registries
     run = start_run(argv)
     describe_run(run)
+    if run.env.is_main:
+        for note in notes_at_start(run.cfg, given_keys(argv)):
+            log.warning(note)
     if run.cfg.train.fast_dev_run:
         with removed_at_the_end(run):
             train_epochs(run)
@@ -59,7 +63,7 @@ def train_epochs(run: Run) -> None:
     cfg, model, data, task, position = run.cfg, run.model, run.data, run.task, run.position
     training_log, scheduler, checkpointer = run.training_log, run.scheduler, run.checkpointer
     optimizer, device, speed, scaler = run.optimizer, run.device, run.speed, run.scaler
-    supervisor, lr, validation = run.supervisor, run.lr, run.validation
+    supervisor, rates, validation = run.supervisor, run.rates, run.validation
     step = run.train_step or train_step  # replica groups bring their own, voted on
     # Settings the loop reads every step, as plain numbers (an OmegaConf read is far slower).
     epochs, grad_clip = cfg.train.epochs, cfg.optim.grad_clip
@@ -74,13 +78,14 @@ def train_epochs(run: Run) -> None:
         for micro_batches in epoch_steps(run):
             values, samples, grad_norm = step(model, optimizer, micro_batches, task, device,
                                               speed, scaler, grad_clip)
-            training_log.add_step(values, samples, grad_norm)
+            # The rates this step trained with, read before the scheduler sets the next step's.
+            training_log.add_step(values, samples, grad_norm, rates())
             scheduler.step()
             profiler.step()
             position.step += 1
             position.step_in_epoch += 1
             bar.update()
-            if training_log.maybe_flush(position.step, lr):
+            if training_log.maybe_flush(position.step):
                 bar.set_postfix(loss=f"{training_log.last.get('loss', math.nan):.4f}")
             if supervisor.should_stop():  # a preemption signal: every rank stops here
                 stop_for_preemption(run)
@@ -92,7 +97,7 @@ def train_epochs(run: Run) -> None:
                 training_log.restart_clock()  # the write is not training time of the next window
             if position.step == run.total_steps or validation.stopped_early:
                 break
-        training_log.end_training(position.step, lr())
+        training_log.end_training(position.step)
         bar.close()
         if not validation.stopped_early:
             validated(run, validate(run))

@@ -25,7 +25,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from ddpkit.project import PROJECT_DIR, UserError
-from ddpkit.schema import DECLARED, Config, declarations, schema
+from ddpkit.schema import (
+    DECLARED,
+    SCHEDULE_NAMES,
+    Config,
+    declarations,
+    names_near_the_templates,
+    schema,
+)
 
 DEFAULT_CONFIG_FILE = PROJECT_DIR / "configs" / "default.yaml"
 
@@ -197,6 +204,24 @@ def inactive_settings(cfg: DictConfig, given: list[str]) -> list[str]:
         found.append(f"{key}={OmegaConf.select(cfg, key)} has no effect with {other}="
                      f"{str(value).lower()}: it acts only with {other}={wanted}")
     return found
+
+
+def warmup_kept(cfg: DictConfig, given: list[str]) -> str | None:
+    """One line when a schedule chosen by the command line or a config file keeps the default
+    warmup it did not ask for (optim.schedule=step still ramps the rate up first)."""
+    optim = cfg.optim
+    if ("optim.schedule" not in given or "optim.warmup_steps" in given or not optim.warmup_steps
+            or optim.schedule not in SCHEDULE_NAMES):  # a schedule of yours does its own warmup
+        return None
+    return (f"optim.schedule={optim.schedule} keeps the default warmup: the rate rises from "
+            f"lr/{optim.warmup_steps} to lr over the first {optim.warmup_steps} steps "
+            "(optim.warmup_steps=0 for none)")
+
+
+def notes_at_start(cfg: DictConfig, given: list[str]) -> list[str]:
+    """What a run says once as it starts (rank 0) about settings that may not be what was
+    meant: a kept warmup, a setting of settings.py named like one of the template's."""
+    return [note for note in (warmup_kept(cfg, given), *names_near_the_templates()) if note]
 
 
 def accumulation_steps(cfg: DictConfig, world_size: int) -> int:

@@ -12,9 +12,10 @@ A dataset builder (data_sources.py) returns `splits.Splits`: train, val and test
 - evaluation: `EvalShardSampler` gives each rank a contiguous block of the split with no
   padding, so every sample is counted exactly once.
 
-Every loader makes its batches with the builder's `Splits.collate` (default_collate when it has
-none). A sample (and a batch) is a tuple `(inputs, target)` or a dict of tensors; `to_device`
-moves either whole. The task (tasks.py) decides which parts the model and the loss read.
+Every loader makes its batches with the builder's `Splits.collate` (collate.py when it has
+none: default_collate, with samples it cannot stack one line naming `Splits(collate=...)`). A
+sample (and a batch) is a tuple `(inputs, target)` or a dict of tensors; `to_device` moves
+either whole. The task (tasks.py) decides which parts the model and the loss read.
 """
 
 import contextlib
@@ -40,14 +41,14 @@ from torch.utils.data import (
     IterableDataset,
     Sampler,
     TensorDataset,
-    default_collate,
 )
 
+from ddpkit.collate import stacking_collate
 from ddpkit.config import UserError, accumulation_steps, lookup
 from ddpkit.datasets import DATASETS
 from ddpkit.dist_utils import DistEnv, gather_objects
 from ddpkit.splits import Splits
-from ddpkit.streams import EvalPlan, RankStream, TrainPlan, as_stream
+from ddpkit.streams import EvalPlan, RankStream, SampledStream, TrainPlan, as_stream
 
 log = logging.getLogger("ddp")
 
@@ -263,7 +264,8 @@ class DataModule:
         # With gradient accumulation each optimizer step takes grad_accum_steps loader batches.
         self.grad_accum_steps = accumulation_steps(cfg, self.train_env.world_size)
         self.micro_batch_size = self.batch_size_per_rank // self.grad_accum_steps
-        self.collate = self.splits.collate or default_collate
+        self.collate = self.splits.collate or functools.partial(stacking_collate,
+                                                                dataset=cfg.data.dataset)
         self.drop_last = self.splits.drop_last
         self._eval_loaders: dict[tuple, DataLoader] = {}
         self.streamed = isinstance(self.splits.train, IterableDataset)
@@ -296,6 +298,10 @@ class DataModule:
             raise UserError(f"data.dataset={self.cfg.data.dataset}: Splits.train_sampler orders "
                             "a map-style training split, and this one is streamed: leave it "
                             "out (the stream's order is set by ShardedStream.shuffle_window)")
+        if isinstance(self.splits.train, SampledStream) and self.cfg.train.max_steps:
+            # Drawn with replacement, the data has no passes to count: one epoch is the whole
+            # run, so validation, checkpoints and the log go by steps (the draws stay the same).
+            self.splits.train.cover(self.cfg.train.max_steps * self.cfg.train.global_batch_size)
         plan = TrainPlan(len(self.splits.train), self.cfg.train.global_batch_size,
                          self.train_env.world_size, self.train_env.rank, self.grad_accum_steps,
                          self.drop_last)

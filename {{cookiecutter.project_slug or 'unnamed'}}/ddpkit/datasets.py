@@ -22,6 +22,9 @@ The built-in ones:
     diabetes       scikit-learn's 442 patients, 10 features, disease progression (regression)
     synthetic      Gaussian clusters in data.synthetic_features dimensions (multiclass)
     images         synthetic 3 x image_size x image_size class patterns + noise (multiclass)
+    tokens         token files (train.bin, val.bin, test.bin, meta.json) under data.root, for
+                   a language model (next_token): windows of data.block_size tokens; empty
+                   data.root: the project's docs, one token per character (ddpkit/tokens.py)
 
 Samples are `(inputs, target)` pairs here; a dict of tensors works too (the task reads it).
 Honour `cfg.augment` in your training transform: check_equivalence.py switches it off.
@@ -33,8 +36,6 @@ import importlib.util
 import json
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,8 @@ from torch.utils.data import Dataset
 from ddpkit.config import PROJECT_DIR, UserError
 from ddpkit.splits import Splits, array_splits, split_indices
 from ddpkit.streams import DataError, ShardedStream, check_npy, load_npy
+from ddpkit.tokens import tokens
+from ddpkit.writes import write_folder_once
 
 
 def sklearn_csv(name: str) -> Path | None:
@@ -163,22 +166,6 @@ def rewrite_hint(root: Path, written_here: bool, what: str) -> str:
     if written_here:
         return f"delete the folder {root} and the next run writes it anew"
     return f"write {what} again"
-
-
-def write_folder_once(root: Path, marker: str, write) -> None:
-    """Make the folder `root` with `write(folder)`, atomically: into a temporary folder renamed
-    into place, so ranks that start at once never see half of it (the first one's is kept;
-    `marker`, a file `write` makes, tells a complete folder)."""
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
-    try:
-        write(tmp)
-        os.rename(tmp, root)  # fails if another process got there first: theirs is as good
-    except OSError:
-        if not (root / marker).is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_digits_folder(root: Path) -> None:
@@ -398,4 +385,5 @@ DATASETS = {
     "diabetes": diabetes,
     "synthetic": synthetic,
     "images": images,
+    "tokens": tokens,
 }

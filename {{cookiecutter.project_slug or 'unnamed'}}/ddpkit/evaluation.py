@@ -30,10 +30,12 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader
 
 from ddpkit import dist_utils
+from ddpkit.checkpoint_files import MODEL_FILE
 from ddpkit.config import UserError
 from ddpkit.data import EvalShardSampler, count_samples, map_tensors, to_device
 from ddpkit.models import call_model
 from ddpkit.parallel import is_sharded
+from ddpkit.report import SUMMARY_FILE
 from ddpkit.speed import FLOAT32, Speed
 from ddpkit.streams import RankStream
 from ddpkit.supervisor import Supervisor
@@ -222,6 +224,23 @@ def batch_counts(loader: DataLoader) -> list[int]:
 def scalars(result: dict) -> dict:
     """The single-number metrics of a result (for logs, TensorBoard and summary tables)."""
     return {key: value for key, value in result.items() if isinstance(value, float)}
+
+
+def run_folder_choice(run_dir: Path) -> tuple[Path, str]:
+    """What evaluating a run folder takes (evaluate.py eval.checkpoint=<run>, and the hint at
+    the end of training), and which weights those are: the model a finished run exported with
+    train.export=best (model.pt, the best validation's weights: the run's result); else the run
+    folder itself, whose newest intact checkpoint holds the last weights (what model.pt holds
+    too once the run has finished with train.export=last)."""
+    run_dir = Path(run_dir)
+    summary = {}
+    with contextlib.suppress(OSError, ValueError):
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    exported = summary.get("exported") or {}
+    model = run_dir / MODEL_FILE
+    if summary.get("status") == "done" and exported.get("from") == "best" and model.is_file():
+        return model, f"the best validation's weights, step {exported['step']}"
+    return run_dir, "the last weights"
 
 
 class OutputFolder:

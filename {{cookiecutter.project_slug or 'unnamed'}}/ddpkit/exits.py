@@ -59,9 +59,21 @@ def exit_now(code: int) -> NoReturn:
     # multiprocessing's own exit handler, which os._exit skips: it removes its pymp-* temp
     # folder (once: after atexit it does nothing).
     multiprocessing.util._exit_function()
+    remove_torch_temp_folder()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def remove_torch_temp_folder() -> None:
+    """The temporary folder torch 2.9 makes when torch.distributed.nn is imported (DCP imports
+    it), for the source of its RemoteModule: its exit handler, which os._exit skips, removes it.
+    (torch 2.10 and later make none, hence the lookup.)"""
+    instantiator = sys.modules.get("torch.distributed.nn.jit.instantiator")
+    folder = getattr(instantiator, "_TEMP_DIR", None)
+    if folder is not None:
+        with contextlib.suppress(OSError):
+            folder.cleanup()  # (once: after that, or after the exit handler, it does nothing)
 
 
 def world_size_given() -> int:

@@ -130,11 +130,13 @@ def peak_flops(device: torch.device, precision: str, tf32: bool) -> tuple[float 
 
 
 def describe_flops(flops_per_sample: float | None, peak: float | None, device_name: str,
-             device: torch.device) -> str:
+             device: torch.device, tokens_per_sample: int | None = None) -> str:
     if flops_per_sample is None:
         return ("model FLOPs: not counted (the model runs neither on the meta device nor, up "
                 f"to {MAX_COPY_BYTES / 1024**3:g} GiB of weights, itself on the CPU)")
     text = f"model FLOPs: {flops_per_sample / 1e9:.4g} GFLOP per training sample"
+    if tokens_per_sample:  # a language model's window
+        text += f" ({flops_per_sample / tokens_per_sample / 1e6:.4g} MFLOP per token)"
     if peak:
         return f"{text}; MFU against the {peak / 1e12:.0f} TFLOP/s peak of {device_name}"
     if device.type == "cuda":

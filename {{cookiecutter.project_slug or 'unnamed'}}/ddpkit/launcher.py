@@ -199,20 +199,43 @@ def finish_help(reading: subprocess.Popen, cache: Path | None) -> str:
     return text
 
 
+def has_flag(help_text: str, flag: str) -> bool:
+    """Whether torchrun's --help lists `flag`."""
+    return re.search(rf"(^|[\[ ]){re.escape(flag)}([\] =,]|$)", help_text, re.M) is not None
+
+
+# A torchrun without --signals-to-handle (torch 2.9; 2.10 has it) installs handlers for SIGTERM,
+# SIGINT and SIGHUP over the ignored ones run.sh starts it with: a scheduler's SIGTERM or a Ctrl-C
+# sent to the whole job would reach it, and it would kill the workers and print its own traceback.
+# So it starts with the four blocked instead: a handler does not unblock a signal, so it never
+# gets them. The workers inherit the mask and unblock them once they listen
+# (supervisor.handle_signals).
+EXEC_WITH_SIGNALS_BLOCKED = (
+    "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, "
+    "signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)); os.execvp(sys.argv[1], sys.argv[1:])")
+
+
+def signals_kept_from(help_text: str) -> list[str]:
+    """What starts torchrun, before its path: nothing where it has --signals-to-handle, else this
+    Python with the signals blocked, which then becomes torchrun (the same process)."""
+    if has_flag(help_text, "--signals-to-handle"):
+        return []
+    return [sys.executable, "-c", EXEC_WITH_SIGNALS_BLOCKED]
+
+
 def optional_flags(settings: LaunchSettings, help_text: str) -> list[str]:
     """The flags of later torch versions, where this torchrun has them.
 
-    --signals-to-handle (torch 2.11, pytorch#160690) without SIGTERM, SIGUSR1, SIGHUP and SIGINT:
+    --signals-to-handle (torch 2.10, pytorch#160690) without SIGTERM, SIGUSR1, SIGHUP and SIGINT:
     torchrun keeps ignoring them (run.sh starts it so), and run.sh passes them to the workers.
     --shutdown-timeout (2.12, pytorch#172596): how long torchrun waits for the workers to leave
-    after the signals it handles (SIGQUIT)."""
-    def has(flag: str) -> bool:
-        return re.search(rf"(^|[\[ ]){re.escape(flag)}([\] =,]|$)", help_text, re.M) is not None
-
-    flags = ["--signals-to-handle=SIGQUIT"] if has("--signals-to-handle") else []
-    if has("--shutdown-timeout"):
+    after the signals it handles (SIGQUIT) or a failed worker. An older one waits 30 s: a note
+    says so when SHUTDOWN_TIMEOUT asks for longer (run.sh's own wait after Ctrl-C applies it
+    whatever the torchrun)."""
+    flags = ["--signals-to-handle=SIGQUIT"] if has_flag(help_text, "--signals-to-handle") else []
+    if has_flag(help_text, "--shutdown-timeout"):
         flags.append(f"--shutdown-timeout={settings.shutdown_timeout}")
-    elif os.environ.get("SHUTDOWN_TIMEOUT"):
+    elif int(os.environ.get("SHUTDOWN_TIMEOUT") or 0) > 30:  # (checked: a whole number)
         print(f"note: this torchrun has no --shutdown-timeout (torch 2.12+), so SHUTDOWN_TIMEOUT="
               f"{settings.shutdown_timeout} does not apply: it waits 30 s", file=sys.stderr)
     return flags
@@ -249,7 +272,8 @@ def is_running(pid: int) -> bool:
 def launch(folder: Path, argv: list[str]) -> list[str]:
     """Check run.sh's launch and return torchrun's command line: `env NAME=value ... torchrun
     <flags> -m ddpkit.worker <script> <args>` (each worker runs the script through
-    ddpkit.worker, which installs its signal handlers before the script is imported)."""
+    ddpkit.worker, which installs its signal handlers before the script is imported; an older
+    torchrun started through signals_kept_from)."""
     remove_stale_launch_folders(folder)
     _, nproc, _, nnodes, *args = argv  # --nproc-per-node N --nnodes M, then run.sh's arguments
     settings = launch_settings(nproc, nnodes)
@@ -282,9 +306,10 @@ def launch(folder: Path, argv: list[str]) -> list[str]:
     elif high > 1:
         print(f"waiting up to {settings.join_timeout} s for the other nodes at {endpoint} "
               "(RDZV_JOIN_TIMEOUT)", file=sys.stderr)
-    return ["env", *worker_environment(settings, folder), torchrun, *joining,
-            f"--nproc_per_node={settings.nproc}", f"--max-restarts={settings.max_restarts}",
-            *optional_flags(settings, help_text), "-m", "ddpkit.worker", script, *args]
+    return ["env", *worker_environment(settings, folder), *signals_kept_from(help_text), torchrun,
+            *joining, f"--nproc_per_node={settings.nproc}",
+            f"--max-restarts={settings.max_restarts}", *optional_flags(settings, help_text), "-m",
+            "ddpkit.worker", script, *args]
 
 
 def main(argv: list[str]) -> int:
@@ -295,7 +320,13 @@ def main(argv: list[str]) -> int:
     except Refused as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    (folder / "command").write_bytes(b"".join(os.fsencode(word) + b"\0" for word in command))
+    path = folder / "command"
+    try:
+        path.write_bytes(b"".join(os.fsencode(word) + b"\0" for word in command))
+    except OSError as error:  # a full disk under TMPDIR
+        print(f"error: cannot write {path}: {error.strerror or error}: free space in "
+              f"{folder.parent}, or set TMPDIR to a folder on another disk", file=sys.stderr)
+        return 2
     return 0
 
 

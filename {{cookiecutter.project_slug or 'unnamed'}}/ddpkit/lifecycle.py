@@ -189,9 +189,11 @@ def run_main(main: Callable[[list[str]], None]) -> None:
 
         if is_rank_0() and stopped_by_torchrun():  # the job re-forms: not an end of it
             print(f"stopped by torchrun: {stop}", file=sys.stderr, flush=True)
-        elif is_rank_0():  # (with replica groups, each group's run.sh exits 75)
-            print(f"preempted: {stop}", file=sys.stderr, flush=True)
-            tell_run_sh("preempted")
+        else:
+            if is_rank_0():  # (with replica groups, each group's run.sh exits 75)
+                print(f"preempted: {stop}", file=sys.stderr, flush=True)
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # every node's run.sh exits 75
+                tell_run_sh("preempted")
         leave(0 if os.environ.get("RUN_SH_STATUS_FILE") else PREEMPTED_EXIT)
     except KeyboardInterrupt:
         leave_interrupted()

@@ -1,4 +1,5 @@
-"""The built-in example models, an MLP and a small CNN, and the registry `MODELS`.
+"""The built-in example models, an MLP, a small CNN and a small GPT (ddpkit/lm.py), and the
+registry `MODELS`.
 
 This file is the template's (`cruft update` brings its fixes in): add your models to model.py,
 which is yours and which the template imports before any model is looked up. Select one with
@@ -19,6 +20,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ddpkit.config import UserError
+from ddpkit.lm import build_gpt
 
 
 class MLP(nn.Module):
@@ -87,7 +89,7 @@ def build_cnn(cfg: DictConfig, input_shape: tuple, num_classes: int) -> nn.Modul
 # Builders take the model config, the shape of one input sample and the number of outputs.
 # Yours are added in model.py (or named on the command line as module:function).
 MODELS: dict[str, Callable[[DictConfig, tuple, int], nn.Module]] = {
-    "mlp": build_mlp, "cnn": build_cnn,
+    "mlp": build_mlp, "cnn": build_cnn, "gpt": build_gpt,  # gpt: a language model (ddpkit/lm.py)
 }
 
 

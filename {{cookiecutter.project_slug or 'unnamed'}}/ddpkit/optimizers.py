@@ -5,7 +5,9 @@ PARAM_GROUPS and OPTIMIZERS, which model.py adds to).
 rmsprop, ...), or a key of OPTIMIZERS; `optim.args` are the optimizer's other keyword arguments
 (`optim.args.momentum=0.9 optim.args.nesterov=true`). The default parameter groups put no weight
 decay on biases and normalisation weights (no_decay below); `optim.param_groups=<key>` names a
-builder of PARAM_GROUPS that returns groups of your own (each with its own lr / weight_decay).
+builder of PARAM_GROUPS that returns groups of your own (each with its own lr / weight_decay),
+which decay_groups makes with the same rule for any part of the model. A group's "name" names
+its learning rate in the logs (lr/<name>).
 Frozen parameters (requires_grad False) are left out of every group. The groups come from the
 model as parallel.wrap_model left it (the unwrapped module's names; under FSDP2 its sharded
 parameters), so the same code serves DDP and FSDP, and a checkpoint keys the optimizer's state
@@ -107,15 +109,36 @@ def no_decay(model: nn.Module) -> set[str]:
     return names
 
 
-def default_groups(model: nn.Module, cfg: DictConfig) -> list[dict]:
-    """Two groups: the weights that decay (optim.weight_decay), and biases and normalisation
-    weights that do not (no_decay). An empty group is left out."""
+def decay_groups(model: nn.Module, weight_decay: float, *,
+                 only: Callable[[str], bool] | None = None, name: str = "",
+                 **options) -> list[dict]:
+    """The trainable parameters of `model` (with `only`, those whose full name passes it) in two
+    groups: the weights, which decay by `weight_decay`, and the biases, gains and normalisation
+    weights (no_decay), which do not. Each group carries `options` (lr=..., say) and a "name":
+    `name` or "decay", and "<name>.no_decay" or "no_decay". An empty group is left out. A
+    PARAM_GROUPS builder of yours keeps the rule with it, e.g. a head at ten times the rate:
+
+        def head_faster(model, cfg):
+            def is_head(name):
+                return name.startswith("classifier.")
+            decay = cfg.optim.weight_decay
+            return [*decay_groups(model, decay, only=lambda n: not is_head(n), name="body"),
+                    *decay_groups(model, decay, only=is_head, name="head", lr=cfg.optim.lr * 10)]
+    """
     skip = no_decay(model)
-    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for name, p in trainable if name not in skip],
-               "weight_decay": cfg.optim.weight_decay},
-              {"params": [p for name, p in trainable if name in skip], "weight_decay": 0.0}]
+    chosen = [(key, parameter) for key, parameter in model.named_parameters()
+              if parameter.requires_grad and (only is None or only(key))]
+    groups = [{"params": [p for key, p in chosen if key not in skip], "weight_decay": weight_decay,
+               "name": name or "decay", **options},
+              {"params": [p for key, p in chosen if key in skip], "weight_decay": 0.0,
+               "name": f"{name}.no_decay" if name else "no_decay", **options}]
     return [group for group in groups if group["params"]]
+
+
+def default_groups(model: nn.Module, cfg: DictConfig) -> list[dict]:
+    """Two groups (decay_groups): the weights that decay (optim.weight_decay), named "decay",
+    and the biases and normalisation weights that do not, "no_decay"."""
+    return decay_groups(model, cfg.optim.weight_decay)
 
 
 def parameter_groups(model: nn.Module, cfg: DictConfig) -> list[dict]:
@@ -156,6 +179,14 @@ def fused_supported(params: list[torch.Tensor]) -> bool:
 
     devices = getattr(_foreach_utils, "_get_fused_kernels_supported_devices", lambda: ["cuda"])()
     return all(p.device.type in devices and p.is_floating_point() for p in params)
+
+
+def rate_names(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names each parameter group's learning rate is logged under: `lr/<the group's "name">`
+    (`lr/group<i>` for a group without one). Beside them the logs keep `lr`, the first group's,
+    as logs before release 1.1.0 had it."""
+    return [f"lr/{group.get('name') or f'group{index}'}"
+            for index, group in enumerate(optimizer.param_groups)]
 
 
 def describe_optimizer(optimizer: torch.optim.Optimizer, default_groups: bool = True) -> str:

@@ -282,13 +282,22 @@ class ModelState:
         if self.optimizer is None:
             with_rank0_buffers(self.wrapped)
             return get_model_state_dict(self.model, options=self.options)
-        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
+        state = get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
+        # A group's "name" (decay_groups) only labels its rate in the logs: checkpoints keep
+        # the format of releases whose groups had none, so either loads into the other.
+        groups = [{key: value for key, value in group.items() if key != "name"}
+                  for group in state.get("param_groups", [])]
+        return {**state, "param_groups": groups}
 
     def load_state_dict(self, state: dict) -> None:
         if self.optimizer is None:
             set_model_state_dict(self.model, state, options=self.options)
-        else:
-            set_optimizer_state_dict(self.model, self.optimizer, state, options=self.options)
+            return
+        names = [group.get("name") for group in self.optimizer.param_groups]
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=self.options)
+        for group, name in zip(self.optimizer.param_groups, names, strict=True):
+            if name is not None:  # the saved groups replace the live ones, names and all
+                group["name"] = name
 
 
 def unwrap(model: nn.Module) -> nn.Module:

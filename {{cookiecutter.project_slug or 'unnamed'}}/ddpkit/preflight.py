@@ -260,4 +260,8 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     code = main(sys.argv[1:])
     sys.stderr.flush()
+    if "torch" in sys.modules:  # (a check imported it) its temporary folder, which os._exit skips
+        from ddpkit.exits import remove_torch_temp_folder
+
+        remove_torch_temp_folder()
     os._exit(code)  # not waiting for a store client that never got an answer

@@ -12,6 +12,7 @@ is better, how the run ended). A training run calls `plot_runs` for itself at it
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 
 SUMMARY_FILE = "summary.json"
 CURVES_FILE = "curves.png"
+LINE_STYLES = ("-", "--", ":", "-.")  # a run's parameter groups in the learning-rate panel
 
 
 @dataclass
@@ -50,6 +52,19 @@ class RunHistory:
         if not values:
             return None
         return max(values) if self.higher_is_better else min(values)
+
+    def learning_rates(self) -> dict[str, list[tuple[int, float]]]:
+        """Each parameter group's logged rate, (step, rate) by group (train_log's lr/<group>;
+        a log without them, lr alone). Groups at the same rate throughout share one entry,
+        named by all of them ("decay, no_decay")."""
+        groups = list(dict.fromkeys(key for window in self.windows for key in window
+                                    if key.startswith("lr/"))) or ["lr"]
+        curves: dict[tuple, list[str]] = {}
+        for key in groups:
+            points = tuple((w["step"], w[key]) for w in self.windows if _is_number(w.get(key)))
+            if points:
+                curves.setdefault(points, []).append(key.removeprefix("lr/"))
+        return {", ".join(names): list(points) for points, names in curves.items()}
 
 
 def _is_number(value) -> bool:
@@ -109,9 +124,11 @@ def plot_runs(runs: list[RunHistory], out: Path, title: str = "") -> Path:
         if points:
             metric_ax.plot(*zip(*points, strict=True), color=color, marker=".",
                            label=label or f"val {run.headline}")
-        lrs = [(w["step"], w["lr"]) for w in run.windows if _is_number(w.get("lr"))]
-        if lrs:
-            lr_ax.plot(*zip(*lrs, strict=True), color=color, label=label)
+        rates = run.learning_rates()
+        for style, (groups, points) in zip(itertools.cycle(LINE_STYLES), rates.items()):
+            group = groups if len(rates) > 1 else None  # one curve: named by the run alone
+            lr_ax.plot(*zip(*points, strict=True), color=color, linestyle=style,
+                       label=" ".join(part for part in (label, group) if part) or None)
     loss_ax.set(title="loss", xlabel="step")
     metric_ax.set(title=f"validation {' / '.join(headlines)}", xlabel="step")
     lr_ax.set(title="learning rate", xlabel="step")

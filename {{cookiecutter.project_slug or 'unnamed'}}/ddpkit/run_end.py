@@ -10,6 +10,7 @@ from pathlib import Path
 from ddpkit import checkpoint, dist_utils, report, supervisor, writes
 from ddpkit.checkpoint_files import MODEL_FILE
 from ddpkit.checkpoint_load import read_model
+from ddpkit.evaluation import run_folder_choice
 from ddpkit.parallel import ModelState
 from ddpkit.run_state import Run
 
@@ -58,7 +59,11 @@ def end_run(run: Run) -> None:
     log.info(run.training_log.describe_throughput())
     log.info("done: checkpoints in %s, the final model in %s, TensorBoard logs in %s",
              run.run_dir / "checkpoints", run.run_dir / MODEL_FILE, run.run_dir / "tb")
-    log.info("evaluate with: ./run.sh evaluate.py eval.checkpoint=%s", run.run_dir)
+    if run.env.is_main:  # what evaluate.py takes for the run folder (it reads summary.json)
+        target, weights = run_folder_choice(run.run_dir)
+        log.info("evaluate with: ./run.sh evaluate.py eval.checkpoint=%s (its %s: %s)",
+                 run.run_dir, MODEL_FILE if target.name == MODEL_FILE else "newest checkpoint",
+                 weights)
 
 
 def stop_for_preemption(run: Run) -> None:

@@ -137,8 +137,10 @@ def training_env(env: dist_utils.DistEnv, groups: tuple[int, int] | None) -> dis
 
 
 def tracking_on(cfg: DictConfig) -> bool:
-    """Whether the config turns an experiment tracker on (MLflow, W&B)."""
-    return bool(cfg.tracking.mlflow or cfg.tracking.wandb)
+    """Whether the config turns an experiment tracker on (MLflow, W&B), or a Kubeflow TrainJob
+    asks for progress reports (its endpoint in the environment)."""
+    return bool(cfg.tracking.mlflow or cfg.tracking.wandb
+                or os.environ.get("KUBEFLOW_TRAINER_STATUS_URL"))
 
 
 def trackers():
@@ -197,9 +199,11 @@ def assemble(cfg: DictConfig, env: dist_utils.DistEnv, device: torch.device, dat
         optimizer = optimizers.build_optimizer(model, cfg, speed.fused_adamw)
         scheduler, plateau = build_schedule(optimizer, cfg, total_steps,
                                             task.higher_is_better)
-    tracked = trackers().Trackers(cfg, run_dir) if env.is_main and tracking_on(cfg) else None
+    tracked = (trackers().Trackers(cfg, run_dir, total_steps)
+               if env.is_main and tracking_on(cfg) else None)
     training_log = TrainingLog(run_dir, env, device, tracked, log_every=cfg.train.log_every)
     training_log.flops_per_sample = flops_per_sample
+    training_log.tokens_per_sample = task.tokens_per_sample(data.sample_batch(2))
     training_log.peak_flops = run_peak_flops(cfg, device, speed)[0]
     return Run(cfg, env, device, data, task, speed, model, optimizer, scheduler,
                grad_scaler(speed, device), training_log, run_dir, Position(), total_steps,
@@ -243,12 +247,16 @@ def describe_run(run: Run) -> None:
     log.info("%s | %s", optimizers.describe_optimizer(optimizer, not cfg.optim.param_groups),
              describe_schedule(cfg, run.plateau is not None))
     peak, device_name = run_peak_flops(cfg, run.device, run.speed)
-    log.info(flops.describe_flops(run.training_log.flops_per_sample, peak, device_name, run.device))
+    log.info(flops.describe_flops(run.training_log.flops_per_sample, peak, device_name, run.device,
+                                  run.training_log.tokens_per_sample))
 
 
 def describe_schedule(cfg: DictConfig, plateau: bool) -> str:
     optim = cfg.optim
-    warmup = f"{optim.warmup_steps} warmup steps, then " if optim.warmup_steps else ""
+    # a schedule of yours (SCHEDULES) that is not a plateau gets no warmup from the engine
+    warmup_applies = plateau or optim.schedule in SCHEDULE_NAMES
+    warmup = (f"{optim.warmup_steps} warmup steps, then "
+              if optim.warmup_steps and warmup_applies else "")
     if plateau:
         return (f"schedule: {warmup}x {optim.gamma:g} after {optim.plateau_patience} "
                 "validation(s) without improvement (plateau)")

@@ -14,6 +14,7 @@ from ddpkit import checkpoint, dist_utils
 from ddpkit.data import DataModule, count_samples, detached, to_device
 from ddpkit.evaluation import loss_terms
 from ddpkit.models import call_model
+from ddpkit.optimizers import rate_names
 from ddpkit.parallel import (
     ModelState,
     for_evaluation,
@@ -62,6 +63,10 @@ class Run:
     # A step of the extras' own in place of train_step (replica groups: each update voted on)
     train_step: Callable | None = None
 
+    def __post_init__(self):
+        # Named as the groups were built: a checkpoint of release 1.0.0 loads groups unnamed.
+        self.rate_names = rate_names(self.optimizer)
+
     def parts(self) -> dict:
         """Everything a checkpoint saves and a resume restores, by name."""
         # Model and optimizer keyed by parameter name, each rank its part (checkpoint.py), so a
@@ -81,10 +86,15 @@ class Run:
             self.evaluated = for_evaluation(self.model, self.speed)
         return self.evaluated
 
-    def lr(self) -> float:
-        """The learning rate of the step about to run (the first parameter group's), as the
-        optimizer holds it: whichever scheduler set it last (per step, plateau, a resume)."""
-        return self.optimizer.param_groups[0]["lr"]
+    def rates(self) -> dict[str, float]:
+        """The learning rates of the step about to run, as the optimizer holds them (whichever
+        scheduler set them last: per step, plateau, a resume), by the names they are logged
+        under: lr/<group> for each group, and lr, the first group's. The loop hands them to
+        the training log before the scheduler sets the next step's."""
+        groups = self.optimizer.param_groups
+        rates = {"lr": groups[0]["lr"]}
+        rates.update(zip(self.rate_names, (group["lr"] for group in groups), strict=True))
+        return rates
 
     def validated(self, record: dict) -> None:
         """After a validation: a plateau schedule weighs the task's headline metric (the same
@@ -99,7 +109,7 @@ class Run:
     def save_mid_training(self) -> None:
         """A checkpoint during the steps (a periodic one, or a preemption's): the log's window
         ends at it first, so the resumed run's windows are those of an uninterrupted one."""
-        self.training_log.flush(self.position.step, self.lr())
+        self.training_log.flush(self.position.step)
         self.save()
 
 

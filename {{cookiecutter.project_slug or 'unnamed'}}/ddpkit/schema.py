@@ -7,6 +7,7 @@ configs/default.yaml from them (`python config.py --write-defaults`; a test keep
 No torch here: run.sh checks every command line with this schema before it starts a worker.
 """
 
+import difflib
 import functools
 import operator
 from collections.abc import Callable
@@ -110,8 +111,9 @@ class DataConfig:
     this section from settings.py (DataSettings)."""
 
     dataset: str = setting("digits", "The dataset: a key of DATASETS (digits, digits_files, "
-                           "synthetic, images, breast_cancer, diabetes, or one of yours in "
-                           "data_sources.py), or module:function for a builder elsewhere.")
+                           "synthetic, images, breast_cancer, diabetes, tokens, or one of "
+                           "yours in data_sources.py), or module:function for a builder "
+                           "elsewhere.")
     root: str = setting("", "Where a dataset read from disk lives; empty: the dataset's own "
                         "default folder.")
     augment: bool = setting(True, "Augment the training split, for datasets that have an "
@@ -135,6 +137,8 @@ class DataConfig:
                                      at_least=2)
     image_size: int = setting(32, "The images dataset's pictures are 3 x image_size x "
                               "image_size pixels.", above=0)
+    block_size: int = setting(128, "tokens: the tokens of each training and evaluation "
+                              "window, a language model's context.", above=0)
 
 
 @dataclass
@@ -142,8 +146,9 @@ class ModelConfig:
     """The model: which builder, and its size. Settings of yours join this section from
     settings.py (ModelSettings)."""
 
-    name: str = setting("mlp", "The model: a key of MODELS, mlp (any input) or cnn (image "
-                        "inputs), or one of yours in model.py.")
+    name: str = setting("mlp", "The model: a key of MODELS, mlp (any input), cnn (image "
+                        "inputs) or gpt (token windows: a language model), or one of yours "
+                        "in model.py.")
     hidden_dim: int = setting(256, "mlp: the width of each hidden layer.", above=0)
     channels: int = setting(32, "cnn: the channels of the first convolution; each later one "
                             "doubles them.", above=0)
@@ -183,8 +188,11 @@ class OptimConfig:
     args: dict[str, Any] = setting({}, "The optimizer's other keyword arguments, given one key "
                                    "at a time (optim.args.momentum=0.9 optim.args.nesterov=true).")
     param_groups: str = setting("", "A key of PARAM_GROUPS (model.py) that splits the parameters "
-                                "into groups; empty: one group with weight decay, one without.")
-    warmup_steps: int = setting(20, "Steps of linear warmup, from lr / warmup_steps up to lr.",
+                                "into groups (optimizers.decay_groups keeps biases and norm "
+                                "weights out of the decay); empty: one group with weight decay, "
+                                "one without.")
+    warmup_steps: int = setting(20, "Steps of linear warmup, from lr / warmup_steps up to lr, "
+                                "before every built-in schedule (step and plateau too); 0: none.",
                                 at_least=0)
     schedule: str = setting("cosine", "The schedule after warmup: cosine, linear, step, "
                             "multistep, constant, plateau, or a key of SCHEDULES (model.py).",
@@ -250,6 +258,11 @@ class TrainConfig:
     limit_val_batches: float = setting(0.0, "The same for validation, in batches of "
                                        "eval.batch_size per rank (its metrics are then those of "
                                        "the part seen).", at_least=0, rule=whole_or_fraction)
+    estimate_windows: int = setting(0, "Data drawn with replacement (data.dataset=tokens): "
+                                    "each validation also gives the loss over this many random "
+                                    "windows of the training and of the validation split "
+                                    "(sampled_train_loss, sampled_val_loss); 0: none.",
+                                    at_least=0)
     val_every_steps: int = setting(0, "Validate every N steps as well as after every epoch; 0: "
                                    "only after every epoch.", at_least=0)
     keep_best: bool = setting(True, "Keep the checkpoint of the best validation "
@@ -437,3 +450,22 @@ def declarations() -> dict[str, Declared]:
     return {f"{section.name}.{item.name}": item.metadata[DECLARED]
             for section in fields(schema()) for item in fields(section.type)
             if DECLARED in item.metadata}
+
+
+def names_near_the_templates() -> list[str]:
+    """One line for each setting of settings.py named like one of the template's in the section
+    it joins (model.n_layer beside model.num_layers): meant as the template's, it would leave
+    the config with two keys, one of them read by nobody."""
+    settings = recipes.load_settings()
+    lines = []
+    for section, (template, yours) in EXTENDED.items():
+        mine = getattr(settings, yours, None)
+        theirs = [item.name for item in fields(template)]
+        for item in fields(mine) if is_dataclass(mine) else ():
+            close = difflib.get_close_matches(item.name, theirs, n=1, cutoff=0.75)
+            if close and item.name not in theirs:
+                lines.append(f"settings.py's {section}.{item.name} is named like the template's "
+                             f"{section}.{close[0]}, and the config holds both: if yours means "
+                             f"the same, drop it and read {section}.{close[0]}; if not, a name "
+                             "less alike ends this warning")
+    return lines

@@ -3,8 +3,7 @@
 Each setting changes how fast a step runs, never what the model learns in exact arithmetic.
 `auto` picks what pays off on the device at hand: on a recent GPU bf16 autocast, TF32,
 channels_last for image batches and fused AdamW; on a CPU fused AdamW and plain float32, which
-is both the fastest and the exactly reproducible precision there. See the README's "Speed
-settings" table.
+is both the fastest and the exactly reproducible precision there. See docs/speed.md.
 """
 
 import contextlib

@@ -34,6 +34,9 @@ How an epoch is cut (the *plan*, a pure function of run.seed, the epoch and the 
   process and worker count, which this plan does not need.)
 - **Evaluation.** Rank r reads the r-th contiguous block of the split in shard order; each sample
   is scored once, and the blocks in rank order are the split's order (evaluation.py).
+- **Drawn samples.** A `SampledStream` (the windows of a token file: ddpkit/tokens.py) has no
+  shards to order: the sample at each position of the plan is drawn, with replacement, as a pure
+  function of (run.seed, epoch, position). Steps, ranks, workers and resume are as above.
 """
 
 import bisect
@@ -127,6 +130,32 @@ class ShardedStream(IterableDataset):
     def head(self, size: int) -> list:
         """The first `size` samples in shard order, untransformed (no random draw)."""
         return list(itertools.islice(iter(self), size))
+
+
+class SampledStream(ShardedStream):
+    """A split whose samples are drawn with replacement, not read in a shuffled order (the
+    windows of a token file: ddpkit/tokens.py). TrainPlan cuts its epochs of `len()` positions
+    as any stream's, and position p of `epoch` holds `draw(seed, epoch, p, p + 1)`, a pure
+    function of (run.seed, epoch, p): nothing is held per sample or step, and the global
+    batches and a resume are the same at any process or worker count. Evaluated (an estimate
+    over random windows), `epoch` is None. Subclasses implement `draw`."""
+
+    def __init__(self, samples_per_epoch: int):  # no shards: nothing is read in an order
+        self.shards, self.read, self.transform, self.shuffle_window = [], None, None, 1
+        self.counts = np.asarray([samples_per_epoch], dtype=np.int64)
+
+    def draw(self, seed: int, epoch: int | None, first: int, end: int) -> list:
+        raise NotImplementedError  # the samples at positions first .. end - 1 of `epoch`
+
+    def cover(self, samples: int) -> None:  # epochs of that many positions; the same draws
+        self.counts = np.asarray([samples], dtype=np.int64)
+
+    def __iter__(self):  # a look at the data: epoch 0's draws of seed 0, a block at a time
+        for first in range(0, len(self), 1024):
+            yield from self.draw(0, 0, first, min(first + 1024, len(self)))
+
+    def head(self, size: int) -> list:
+        return self.draw(0, 0, 0, min(size, len(self)))
 
 
 def _check_shards(check: Callable | bool, shards: list, counts: Sequence[int] | None) -> None:
@@ -301,23 +330,34 @@ class TrainPlan:
 
     def chunks(self, start_step: int) -> list[tuple[int, float, int, int]]:
         """(step, weight, first, end) of each of this rank's micro-batches from `start_step`."""
-        out = []
+        return list(self.iter_chunks(start_step))
+
+    def iter_chunks(self, start_step: int):
+        """chunks(), made one step at a time: memory independent of the epoch's length."""
         for step in range(start_step, min(self.steps, self.limit)):
-            first, end = self.step_range(step)
-            size = end - first
-            lo = first + self.rank * size // self.world
-            hi = first + (self.rank + 1) * size // self.world
-            weight = (hi - lo) * self.world / size  # 1.0 exactly when the ranks' shares match
-            if hi == lo:  # nothing left for this rank: the step's first sample, adding nothing
-                out.append((step, 0.0, first, first + 1))
-                continue
-            mine = hi - lo
-            for part in range(self.micro_batches):
-                a = lo + part * mine // self.micro_batches
-                b = lo + (part + 1) * mine // self.micro_batches
-                if b > a:
-                    out.append((step, weight, a, b))
-        return out
+            yield from self.step_chunks(step)
+
+    def count_chunks(self, start_step: int) -> int:
+        """len(chunks(start_step)), without making them: every step but a last, smaller one
+        has `micro_batches` of them (a rank's share of a full step is at least that many)."""
+        end = min(self.steps, self.limit)
+        if start_step >= end:
+            return 0
+        last = len(self.step_chunks(end - 1))
+        return (end - 1 - start_step) * self.micro_batches + last
+
+    def step_chunks(self, step: int) -> list[tuple[int, float, int, int]]:
+        """This rank's micro-batches of one step."""
+        first, end = self.step_range(step)
+        size = end - first
+        lo = first + self.rank * size // self.world
+        hi = first + (self.rank + 1) * size // self.world
+        weight = (hi - lo) * self.world / size  # 1.0 exactly when the ranks' shares match
+        if hi == lo:  # nothing left for this rank: the step's first sample, adding nothing
+            return [(step, 0.0, first, first + 1)]
+        mine, parts = hi - lo, self.micro_batches
+        bounds = [lo + part * mine // parts for part in range(parts + 1)]
+        return [(step, weight, a, b) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 class EvalPlan:
@@ -352,7 +392,9 @@ class RankStream(IterableDataset):
         self.control[0], self.control[1] = epoch, step
 
     def __len__(self) -> int:
-        return len(self.plan.chunks(0))
+        if isinstance(self.plan, TrainPlan):
+            return self.plan.count_chunks(0)
+        return len(self.plan.chunks())
 
     @property
     def block_sizes(self):
@@ -363,19 +405,27 @@ class RankStream(IterableDataset):
         worker = get_worker_info()
         index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
         if not isinstance(self.plan, TrainPlan):
-            order, mine = EpochOrder(self.stream, self.seed, 0, shuffle=False), self.plan.chunks()
-            for _, _, samples in read_chunks(self.stream, order, mine[index::workers]):
+            mine = self.plan.chunks()[index::workers]
+            for _, _, samples in self._read(None, mine):
                 yield self.collate(samples)
             return
         dealt = 0  # micro-batches of the earlier epochs: the loader deals all of them in turn
         while True:
-            chunks = self.plan.chunks(first_step)
-            mine = chunks[(index - dealt) % workers::workers]
-            order = EpochOrder(self.stream, self.seed, epoch, shuffle=True)
-            for step, weight, samples in read_chunks(self.stream, order, mine):
+            mine = itertools.islice(self.plan.iter_chunks(first_step),
+                                    (index - dealt) % workers, None, workers)
+            for step, weight, samples in self._read(epoch, mine):
                 yield epoch, step, weight, self.collate(samples)
-            dealt += len(chunks)
+            dealt += self.plan.count_chunks(first_step)
             epoch, first_step = epoch + 1, 0
+
+    def _read(self, epoch: int | None, chunks):
+        """(step, weight, samples) of each chunk: of `epoch`'s order in training, of the split's
+        own order (None) in evaluation; a SampledStream draws them."""
+        if isinstance(self.stream, SampledStream):
+            return ((step, weight, self.stream.draw(self.seed, epoch, first, end))
+                    for step, weight, first, end in chunks)
+        order = EpochOrder(self.stream, self.seed, epoch or 0, shuffle=epoch is not None)
+        return read_chunks(self.stream, order, list(chunks))
 
 
 def read_chunks(stream: ShardedStream, order: EpochOrder, chunks: list):

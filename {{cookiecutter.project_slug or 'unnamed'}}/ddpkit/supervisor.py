@@ -48,6 +48,9 @@ def handle_signals() -> None:
         exit_now(0)
     if status_file and os.path.exists(f"{status_file}.preempted"):
         PREEMPTION_SIGNALS_RECEIVED.append(signal.SIGTERM)
+    # An older torchrun was started with these blocked (launcher.signals_kept_from), and this
+    # process inherited the mask: one that came meanwhile is handled now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (*PREEMPTION_SIGNALS, signal.SIGINT, signal.SIGHUP))
 
 
 def _interrupt_once(number, frame) -> None:

@@ -24,6 +24,8 @@ Built in, each checked against scikit-learn at 1, 2 and 3 processes:
                 class; precision, recall, F1 and accuracy at the threshold with the best F1 on
                 the validation split
     regression  MSE on standardised targets; MAE, RMSE and R^2 in the data's own units
+    next_token  a language model's cross-entropy; perplexity, bits per token (and character),
+                next-token accuracy (ddpkit/lm.py)
 
 Batches may be tuples `(inputs, target)` or dicts: the target under `task.target_key`, every
 other entry a keyword argument of the model. A model may return a tensor, a dict with `logits`
@@ -44,6 +46,7 @@ from omegaconf import DictConfig
 
 from ddpkit import metrics as M
 from ddpkit.config import UserError, lookup
+from ddpkit.lm import NextTokenMixin
 from ddpkit.splits import Splits
 
 
@@ -111,6 +114,11 @@ class Task:
         """Numbers logged every step besides the loss, each a mean over the batch. `outputs`
         are detached from the graph: nothing computed here is differentiated."""
         return {}
+
+    def tokens_per_sample(self, batch) -> int | None:
+        """The tokens a sample trains on, where that means something (a language model's
+        window): the log then gives tokens/s and FLOPs per token too. None: it does not."""
+        return None
 
     # -- evaluation -------------------------------------------------------------------------------
 
@@ -448,9 +456,16 @@ class RegressionTask(Task):
                 "r2": 1.0 - squared / spread if spread > 0 else float("nan")}
 
 
+# --- next token ----------------------------------------------------------------------------------
+
+class NextTokenTask(NextTokenMixin, Task):
+    """A language model's next-token prediction: the methods are in ddpkit/lm.py."""
+
+
 # Task classes take the `task` config section, the dataset's Splits and the `eval` section.
 # Yours are added in tasks.py (or named on the command line as module:Class).
-TASKS = {"multiclass": MulticlassTask, "binary": BinaryTask, "regression": RegressionTask}
+TASKS = {"multiclass": MulticlassTask, "binary": BinaryTask, "regression": RegressionTask,
+         "next_token": NextTokenTask}
 
 
 def check_best_metric(metric: str, tasks: list[type[Task]], where: str) -> None:

@@ -7,12 +7,13 @@ logged, so a GPU never waits for the CPU in between. The window's all-reduce (wh
 sums global) runs in the background while training goes on; the window is written out when the
 next one starts, before a checkpoint, or at the end of the epoch:
 
-    train_log.jsonl    one line per window: step, each value, lr, samples_per_s (training
-                       steps only; none for a process's first window, which includes start-up),
-                       grad_norm, time
+    train_log.jsonl    one line per window: step, each value, the learning rates the
+                       window's last step trained with (lr/<group> for each parameter group,
+                       lr the first group's), samples_per_s (training steps only; none for a
+                       process's first window, which includes start-up), grad_norm, time
     metrics.jsonl      one line per epoch: train_<name> over the whole epoch, val_<metric>,
                        train_seconds, val_seconds, epoch_seconds
-    tb/                TensorBoard: train/<name>, val/<metric>
+    tb/                TensorBoard: train/<name> (train/lr/<group> too), val/<metric>
     trackers           MLflow / W&B when the config turns them on (extras/trackers.py): the same
                        values, plus epoch/<name> for the rest of an epoch's record
 
@@ -35,7 +36,6 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -176,6 +176,7 @@ class TrainingLog:
         self.steps: list = []  # this window's (values, samples) of every step (see add_step)
         self.on_cpu = device.type == "cpu"
         self.grad_norm = None  # the last step's, before clipping
+        self.rates: dict[str, float] = {}  # the learning rates the last step trained with
         self.replica_groups: list[int] = []  # with replica groups: how many took part, per step
         self.window_start = self.epoch_start = self.validation_start = self.now()
         self.warming_up = True  # the first window of a process: its time includes start-up
@@ -186,16 +187,20 @@ class TrainingLog:
         self.last: dict = {}  # the last window written (for the progress bar)
         self.flops_per_sample: float | None = None  # model FLOPs of a training sample (flops.py)
         self.peak_flops: float | None = None  # one device's peak FLOP/s, where known
+        self.tokens_per_sample: int | None = None  # a language model's window: tokens/s too
         self._writer: Writer | None = None
 
     # -- during the step: no work on the device ---------------------------------------------------
 
-    def add_step(self, values: dict[str, torch.Tensor], samples: int, grad_norm=None) -> None:
+    def add_step(self, values: dict[str, torch.Tensor], samples: int, grad_norm=None,
+                 rates: dict[str, float] | None = None) -> None:
         """One optimizer step's values (means over its `samples` samples), kept until the window
         is logged: on an accelerator as tensors (adding them up now would launch kernels every
         step, reading them would wait for the device); on the CPU as numbers, which waits for
         nothing and is cheaper than keeping a window of small tensors alive (measured: about
-        20 us a step of the default MLP)."""
+        20 us a step of the default MLP). `rates`: the learning rates the step trained with
+        (run_state.Run.rates, read before the scheduler sets the next step's); a window logs
+        its last step's."""
         if list(values) != self.names:
             if self.steps:
                 raise RuntimeError(f"the logged values changed within a window: {self.names} -> "
@@ -206,6 +211,8 @@ class TrainingLog:
         else:
             self.steps.append((list(values.values()), samples))
         self.grad_norm = grad_norm  # a new tensor each step: keeping it needs no copy
+        if rates is not None:
+            self.rates = rates
 
     def now(self) -> float:
         """The clock, read once the device has run every step queued so far."""
@@ -241,24 +248,24 @@ class TrainingLog:
 
     # -- logging a window -------------------------------------------------------------------------
 
-    def maybe_flush(self, step: int, lr: Callable[[], float]) -> bool:
-        """End the window at `step` if one ends there (every log_every steps); `lr` is read only
-        then. The first step is logged too: it shows when training really started. (Not the
-        first after a resume: its windows stay those of an uninterrupted run, which a tracker
-        already holds when a restarted job repeats steps.) True when the window ended."""
+    def maybe_flush(self, step: int) -> bool:
+        """End the window at `step` if one ends there (every log_every steps). The first step
+        is logged too: it shows when training really started. (Not the first after a resume:
+        its windows stay those of an uninterrupted run, which a tracker already holds when a
+        restarted job repeats steps.) True when the window ended."""
         if step % self.log_every and step != 1:
             return False
-        self.flush(step, lr())
+        self.flush(step)
         return True
 
-    def flush(self, step: int, lr: float) -> None:
+    def flush(self, step: int) -> None:
         """End the window at `step`: start its all-reduce (every rank calls this at the same
         steps) and write out any earlier window, whose all-reduce has had time to finish."""
         if self.steps:
             seconds = self.now() - self.window_start
             sums, samples = self._window_sums()
             self.steps = []
-            record = {"step": step, "lr": lr, "samples": samples, "seconds": seconds}
+            record = {"step": step, **self.rates, "samples": samples, "seconds": seconds}
             compiled, self.compiled = self.compiled, compilations()
             if self.warming_up:  # first allocations, first DDP step: not a rate to report
                 record["seconds"], self.warming_up = None, False
@@ -328,6 +335,8 @@ class TrainingLog:
             return "throughput: no timed window (too few steps after start-up)"
         parts = [f"{rates['samples_per_s']:,.0f} samples/s",
                  f"{rates['samples_per_s_per_rank']:,.0f} per rank"]
+        if "tokens_per_s" in rates:
+            parts[:0] = [f"{rates['tokens_per_s']:,.0f} tokens/s"]
         if "tflops_per_rank" in rates:
             parts.append(f"{rates['tflops_per_rank']:.3g} TFLOP/s per rank")
         if "mfu" in rates:
@@ -340,6 +349,9 @@ class TrainingLog:
         together), the model TFLOP/s of one rank and, on a GPU of known peak, the MFU."""
         per_rank = samples / seconds / self.env.world_size
         rates = {"samples_per_s": samples / seconds, "samples_per_s_per_rank": per_rank}
+        if self.tokens_per_sample:
+            rates["tokens_per_s"] = rates["samples_per_s"] * self.tokens_per_sample
+            rates["tokens_per_s_per_rank"] = per_rank * self.tokens_per_sample
         if self.flops_per_sample:
             rates["tflops_per_rank"] = per_rank * self.flops_per_sample / 1e12
             if self.peak_flops:
@@ -356,9 +368,9 @@ class TrainingLog:
         self.restart_clock()
         self.epoch_start = self.window_start
 
-    def end_training(self, step: int, lr: float) -> None:
+    def end_training(self, step: int) -> None:
         """The epoch's training steps are done (its last window ends); validation comes next."""
-        self.flush(step, lr)
+        self.flush(step)
         self.validation_start = self.now()
 
     def end_epoch(self, epoch: int, step: int, val: dict) -> dict:

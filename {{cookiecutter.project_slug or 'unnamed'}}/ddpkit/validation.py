@@ -14,7 +14,7 @@ import math
 
 from omegaconf import DictConfig
 
-from ddpkit import dist_utils
+from ddpkit import dist_utils, estimates
 from ddpkit.config import UserError
 from ddpkit.evaluation import evaluate_split, scalars
 from ddpkit.position import Position, rng_state, set_rng_state
@@ -117,12 +117,14 @@ def validate(run, mid_epoch: bool = False) -> dict | None:
     the loop then stops, and the resumed run validates again."""
     position, validation = run.position, run.validation
     if mid_epoch:  # the window so far is training time; the validation is not
-        run.training_log.end_training(position.step, run.lr())
+        run.training_log.end_training(position.step)
     generators = rng_state()
     val = evaluate_split(run.model_for_evaluation(),
                          run.data.eval_loader("val", run.cfg.train.limit_val_batches),
                          run.device, run.task, run.speed, run.cfg.eval.binned_thresholds,
                          detail=False, supervisor=run.supervisor)
+    if val is not None:  # train.estimate_windows: sampled losses beside it
+        val = estimates.with_estimates(run, val)
     set_rng_state(generators)  # training's random streams, as if it had not run
     validation.interrupted_at = (position.step if mid_epoch else -1) if val is None else -1
     if val is None:

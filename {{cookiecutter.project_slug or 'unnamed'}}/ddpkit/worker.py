@@ -14,11 +14,11 @@ from ddpkit import lifecycle
 
 
 def main() -> None:
-    lifecycle.install()
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python <script>` sets it
     try:
+        lifecycle.install()  # (a Ctrl-C held back until it listens may come at once)
         # The script's absolute path, as `python <script>` has it (3.9+): tracebacks and the
         # stall watchdog find the project's frames by it.
         runpy.run_path(os.path.abspath(script), run_name="__main__")

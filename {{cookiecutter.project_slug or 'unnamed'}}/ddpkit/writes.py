@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -68,3 +69,19 @@ def write_failure(error: OSError, path: Path, needed: int | None = None,
         message += (f" ({free / 1e6:.1f} MB free in {folder}{need}); free space there or set "
                     "run.output_dir / run.dir to a larger disk, then rerun to resume")
     return message
+
+
+def write_folder_once(root: Path, marker: str, write) -> None:
+    """Make the folder `root` with `write(folder)`, atomically: into a temporary folder renamed
+    into place, so ranks that start at once never see half of it (the first one's is kept;
+    `marker`, a file `write` makes, tells a complete folder)."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+    try:
+        write(tmp)
+        os.rename(tmp, root)  # fails if another process got there first: theirs is as good
+    except OSError:
+        if not (root / marker).is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -270,9 +270,21 @@ def test_sigterm_while_waiting_for_the_other_nodes_stops_the_node(tmp_path):
     assert not any("Traceback" in line for line in lines)
 
 
-def test_ctrl_c_stops_the_job_with_one_line(tmp_path):
+def torchrun_before_2_10(folder) -> dict:
+    """The installed torchrun as torch 2.9 has it: its --help without --signals-to-handle and
+    --shutdown-timeout, so it runs without them, and then handles SIGTERM, SIGINT and SIGHUP
+    itself (their default), as 2.9 does."""
+    real = shutil.which("torchrun", path=command_env()["PATH"])
+    hidden = "s/--signals[-_]to[-_]handle\\|--shutdown[-_]timeout/--x/g"
+    return torchrun_on_path(folder, f'if [ "$1" = --help ]; then "{real}" --help | sed '
+                                    f"'{hidden}'; exit 0; fi\nexec \"{real}\" \"$@\"")
+
+
+@pytest.mark.parametrize("torchrun", ["installed", "before 2.10"])
+def test_ctrl_c_stops_the_job_with_one_line(tmp_path, torchrun):
+    env = torchrun_before_2_10(tmp_path / "bin") if torchrun == "before 2.10" else {}
     launch = Launch(tmp_path, [*TINY, "train.epochs=1000", f"run.output_dir={tmp_path}"],
-                    NPROC_PER_NODE="2")
+                    NPROC_PER_NODE="2", **env)
     launch.read_until("run folder:")
     launch.signal_group(signal.SIGINT)
     lines = launch.finish()

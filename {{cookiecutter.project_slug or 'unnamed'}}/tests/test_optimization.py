@@ -273,13 +273,14 @@ def test_sgd_with_two_groups_and_a_step_schedule_resumes_bitwise_after_a_kill(tm
     assert_bitwise_equal(saved_tensors(list_checkpoints(ours / "checkpoints")[-1]),
                          saved_tensors(list_checkpoints(theirs / "checkpoints")[-1]))
     assert epoch_records(ours) == epoch_records(theirs)
-    # The first group's rate (half the base) halves every 10 steps (logged: the next step's).
+    # The first group's rate (half the base) halves every 10 steps (logged: the rate each step
+    # trained with; step 11 is the first after 10 steps).
     lr = logged_rates(ours)
-    assert (lr[9], lr[10], lr[20]) == pytest.approx((0.025, 0.0125, 0.00625))
+    assert (lr[10], lr[11], lr[21]) == pytest.approx((0.025, 0.0125, 0.00625))
 
 
 def logged_rates(run_dir) -> dict[int, float]:
-    """The first group's rate after each logged step, from train_log.jsonl."""
+    """The first group's rate each logged step trained with, from train_log.jsonl."""
     records = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
     return {record["step"]: record["lr"] for record in records}
 

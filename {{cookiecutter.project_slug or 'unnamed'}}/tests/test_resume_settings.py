@@ -53,7 +53,7 @@ def test_a_new_learning_rate_and_weight_decay_take_effect_at_the_resumed_step(tm
         f"run.dir={tmp_path / 'probe'}",
         f"train.resume={list_checkpoints(first / 'checkpoints')[-1]}")
     assert (weight_decay, bias_decay) == (0.3, 0.0)
-    assert lr == bias_lr == pytest.approx(2 * lr_by_step(reference)[STEPS_PER_EPOCH])
+    assert lr == bias_lr == pytest.approx(2 * lr_by_step(reference)[STEPS_PER_EPOCH + 1])
 
     resumed = run([sys.executable, "train.py", *TINY, "train.epochs=2", "optim.lr=0.02",
                    f"run.dir={first}"])

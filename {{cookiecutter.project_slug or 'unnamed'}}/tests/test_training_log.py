@@ -7,12 +7,15 @@ import math
 import sys
 import time
 
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import TINY, fixture, only_run_dir, run, torchrun
 from ddpkit import training_log
+from ddpkit.config import load_config
 from ddpkit.dist_utils import DistEnv
+from ddpkit.schedules import factor_of
 from ddpkit.training_log import TrainingLog
 
 
@@ -83,14 +86,14 @@ def run_epochs(train_log: TrainingLog, device: AsyncDevice, epochs: int = 3,
         train_log.start_epoch(resumed_within=False)
         for _ in range(steps):
             device.step(launch=0.001, work=0.1)
-            train_log.add_step({"loss": torch.tensor(1.0)}, samples=batch)
+            train_log.add_step({"loss": torch.tensor(1.0)}, samples=batch, rates={"lr": 0.1})
             step += 1
             if step % log_every == 0:
-                train_log.flush(step, lr=0.1)
+                train_log.flush(step)
             if step % steps == 10:
                 device.spend(2.0)  # the checkpoint: between windows, inside the epoch
                 train_log.restart_clock()
-        train_log.end_training(step, lr=0.1)
+        train_log.end_training(step)
         device.spend(3.0)  # validation
         records.append(train_log.end_epoch(epoch, step, {"accuracy": 0.5}))
     train_log.close()
@@ -161,6 +164,17 @@ def test_a_real_run_times_every_window_and_epoch(tmp_path):
     windows = records(run_dir / "train_log.jsonl")
     assert "samples_per_s" not in windows[0]
     assert all(math.isfinite(w["samples_per_s"]) for w in windows[1:])
+    # Each window logs the rates its last step trained with, every group's under its name: step
+    # 1 the warmup's first (lr / 5), the last step the cosine's last, not the 0 after it.
+    factor = factor_of(load_config([*TINY, "train.epochs=2"]), 2 * 19)
+    assert [(w["step"], w["lr"]) for w in windows] == [
+        (w["step"], pytest.approx(0.01 * factor(w["step"] - 1))) for w in windows]
+    assert (windows[0]["step"], windows[0]["lr"]) == (1, pytest.approx(0.002))
+    assert windows[-1]["step"] == 38 and windows[-1]["lr"] > 0
+    assert all(w["lr/decay"] == w["lr/no_decay"] == w["lr"] for w in windows)
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    assert {"train/lr", "train/lr/decay", "train/lr/no_decay"} <= set(events.Tags()["scalars"])
     for epoch in records(run_dir / "metrics.jsonl"):
         assert math.isclose(epoch["epoch_seconds"], epoch["train_seconds"] + epoch["val_seconds"])
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -190,7 +204,7 @@ def test_a_checkpoint_waits_until_the_trackers_hold_every_window_before_it(tmp_p
                             torch.device("cpu"), trackers=tracker)
     for step in range(1, 31):
         train_log.add_step({"loss": torch.tensor(1.0 / step)}, samples=4)
-        train_log.flush(step, lr=0.1)
+        train_log.flush(step)
     train_log.state_dict()  # what a checkpoint at step 30 takes
     assert tracker.steps == list(range(1, 31))
     assert [r["step"] for r in records(tmp_path / "train_log.jsonl")] == list(range(1, 31))
@@ -209,7 +223,7 @@ def test_a_window_sums_the_same_kept_as_numbers_or_as_tensors(tmp_path):
         for step in range(1, 8):
             loss, accuracy = torch.rand(2, generator=generator)
             train_log.add_step({"loss": loss, "accuracy": accuracy}, samples=3 if step == 7 else 8)
-        train_log.flush(7, lr=0.1)
+        train_log.flush(7)
         train_log.close()
         (windows[kept],) = records(tmp_path / kept / "train_log.jsonl")
     numbers, tensors = windows["numbers"], windows["tensors"]

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from test_cluster import PREEMPTED, launch
 from test_faults import epoch_records, finish, wait_for
 
+import evaluate
 from conftest import TINY, run
 from ddpkit.checkpoint_files import list_checkpoints
 from ddpkit.checkpoint_load import read_model
@@ -104,6 +105,10 @@ def test_step_cadence_keeps_the_best_beside_the_newest_and_exports_it(tmp_path):
     exported = torch.load(run_dir / "model.pt", weights_only=True)
     assert exported["step"] == 7
     assert all(torch.equal(exported["model"][k], v) for k, v in read_model(best).items())
+    # Evaluating the run folder scores what it exported, as the hint at its end says.
+    assert (f"evaluate with: ./run.sh evaluate.py eval.checkpoint={run_dir} (its model.pt: the "
+            "best validation's weights, step 7)") in result.stdout
+    assert evaluate.chosen(str(run_dir)) == run_dir / "model.pt"
 
     again = run([sys.executable, "export.py", str(run_dir), str(tmp_path / "best.pt"),
                  "--best"])

@@ -10,9 +10,10 @@ from the store itself): a resumed run repeats the steps after its checkpoint, wi
 values, and those are not logged a second time.
 
 What is logged: the resolved config as parameters (dotted keys), every training window as
-train/<name>, every epoch as val/<metric> and epoch/<name>, at the optimizer step; the curves
-PNG and config.yaml at the end of training; evaluate.py adds its metrics (as <split>/<metric>)
-and its files (metrics.json, curves.json, plots).
+train/<name> (as TensorBoard has them: each parameter group's learning rate as train/lr/<group>,
+the first's as train/lr too), every epoch as val/<metric> and epoch/<name>, at the optimizer
+step; the curves PNG and config.yaml at the end of training; evaluate.py adds its metrics (as
+<split>/<metric>) and its files (metrics.json, curves.json, plots).
 
 Nothing here is imported unless the config turns a tracker on. A tracker that fails (its server
 is down, its disk is full) is reported once and dropped; training goes on. So is one that does
@@ -219,6 +220,45 @@ class WandbTracker(Tracker):
 TRACKERS = {"mlflow": MLflowTracker, "wandb": WandbTracker}
 
 
+class KubeflowProgress(Tracker):
+    """Progress to a Kubeflow TrainJob's status (extras/kubeflow_progress.py): on when the
+    Trainer gives the pod its endpoint (KUBEFLOW_TRAINER_STATUS_URL), whatever the config says;
+    the percent done, the time left and the newest scalars, sent from a thread of its own."""
+
+    name, package = "kubeflow", "urllib.request"
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, total_steps: int):
+        super().__init__(cfg, run_dir)
+        self.total_steps, self.reporter = total_steps, None
+
+    def start(self, state, keep):
+        from ddpkit.extras import kubeflow_progress
+
+        self.reporter = kubeflow_progress.from_environment(self.total_steps)
+
+    def log_params(self, params):
+        pass  # the TrainJob's status has no place for them
+
+    def log_metrics(self, metrics, step):
+        if self.reporter:  # the learning rates stay out: the status shows the headline numbers
+            self.reporter.record(step, {key: value for key, value in metrics.items()
+                                        if "/lr" not in key})
+
+    def log_files(self, paths, folder):
+        pass
+
+    def close(self, status):
+        if self.reporter:
+            self.reporter.close()
+
+
+def progress_reported() -> bool:
+    """Whether this pod has a Kubeflow Trainer status endpoint to report progress to."""
+    from ddpkit.extras.kubeflow_progress import URL
+
+    return bool(os.environ.get(URL))
+
+
 class TrackerTimeout(Exception):
     """A tracker call that did not return within tracking.timeout_seconds."""
 
@@ -273,9 +313,11 @@ class Trackers:
     """The trackers the config turns on, for rank 0. No method raises: a tracker that fails is
     reported once and dropped. `start` runs at the first record, in the caller's thread."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path):
+    def __init__(self, cfg: DictConfig, run_dir: Path, total_steps: int = 0):
         self.run_dir = run_dir
         self.trackers = [TRACKERS[name](cfg, run_dir) for name in enabled(cfg)]
+        if total_steps and progress_reported():  # training, in a TrainJob that asks for it
+            self.trackers.append(KubeflowProgress(cfg, run_dir, total_steps))
         timeout = float(cfg.tracking.get("timeout_seconds", 30))
         # A server that is down costs seconds, not minutes of retries, and a call left behind
         # by its deadline ends soon after it (the environment may say otherwise).

@@ -116,9 +116,9 @@ def check_slurm_args(args) -> None:
         raise UserError(f"--cpus-per-task {args.cpus_per_task} is not valid: at least 1, or 0 "
                         "for slurm.sbatch's")
     if args.slurm and not (PROJECT_DIR / "slurm.sbatch").is_file():
-        raise UserError("--slurm runs each trial through slurm.sbatch, which this project was "
-                        "baked without (scheduler=none): bake it with scheduler=slurm, or drop "
-                        "--slurm to run the trials on this machine")
+        raise UserError("--slurm runs each trial through slurm.sbatch, which is not in this "
+                        "project: restore it from the template (cruft update, or copy it from a "
+                        "new bake), or drop --slurm to run the trials on this machine")
 
 
 def optuna_main(args) -> int:

@@ -1,0 +1,222 @@
+"""Where the job can run, and what each launcher runs there, read from the launcher's own file:
+
+    python -m ddpkit.targets [--config FILE] [key=value ...]
+
+prints, for torchrun (run.sh), SLURM (slurm.sbatch), Kubernetes (launch/trainjob.yaml) and
+SkyPilot (launch/sky.yaml): nodes x processes, the command each node runs, the config file and
+the folder the run and its checkpoints go to; then checks that each can work (exit 2 and one
+line if not): the global batch splits over its processes, its GPU count is at least 1, its run
+folder lies on the volume or bucket it declares (a pod's or a VM's own disk goes with it), and it
+starts a preempted job again (exit status PREEMPTED). The arguments are those the job would be
+given (run.sh's), after the launcher's own.
+
+The contract every launcher keeps with run.sh is here, once: PREEMPTED, CLUSTER_RUNS (where a
+Kubernetes volume or a SkyPilot bucket is mounted) and how a node's command reaches run.sh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import yaml
+
+from ddpkit.project import UserError
+
+PREEMPTED = 75  # run.sh's exit status when the job stopped with a checkpoint saved: run it again
+CLUSTER_RUNS = "/runs"  # the volume (Kubernetes) or bucket (SkyPilot) that keeps the run folders
+DEFAULT_CONFIG = "configs/default.yaml"
+GPU = "nvidia.com/gpu"  # the resource a Kubernetes node's GPUs are asked for by
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What one launcher runs: on `nodes` machines, `processes` each, `command` on every node."""
+
+    name: str
+    file: str
+    nodes: int
+    processes: int
+    command: list[str]
+    storage: list[str]  # the folders that outlive a node (a volume's or a bucket's mount point)
+    restarts_on: bool  # it starts the job again when run.sh exits PREEMPTED
+
+    def arguments(self) -> list[str]:
+        """run.sh's arguments in the command: what follows run.sh (or launch/node.sh SYSTEM)."""
+        words = self.command
+        for marker, skip in (("launch/node.sh", 2), ("./run.sh", 1)):
+            if marker in words:
+                return [word for word in words[words.index(marker) + skip:] if word != '"$@"']
+        return []
+
+
+def number(pattern: str, text: str, file: str, what: str) -> int:
+    found = re.search(pattern, text, re.M)
+    if not found:
+        raise UserError(f"{file}: {what} not found: restore it from the template")
+    return int(found[1])
+
+
+def run_sh(project: Path) -> Target:
+    text = (project / "run.sh").read_text()
+    nodes = number(r'NNODES:-([0-9]+)\}"', text, "run.sh", "the NNODES default")
+    processes = number(r'NPROC_PER_NODE:-([0-9]+)\}"', text, "run.sh",
+                       "the NPROC_PER_NODE default")
+    return Target("torchrun", "run.sh", nodes, processes, ["./run.sh"], [], False)
+
+
+def slurm(project: Path) -> Target:
+    text = (project / "slurm.sbatch").read_text()
+    file = "slurm.sbatch"
+    gpus = number(r"^#SBATCH --gpus-per-node=([0-9]+)", text, file, "#SBATCH --gpus-per-node")
+    processes = number(r'NPROC_PER_NODE:-([0-9]+)\}"', text, file, "the NPROC_PER_NODE default")
+    if gpus != processes:
+        raise UserError(f"{file} asks for {gpus} GPU(s) per node but starts {processes} "
+                        "process(es) on each: make --gpus-per-node and NPROC_PER_NODE the same")
+    # srun starts run.sh on every node with sbatch's arguments; the run folders are where the
+    # cluster's shared file system has them (not checked: any path may be on it).
+    return Target("SLURM", file, number(r"^#SBATCH --nodes=([0-9]+)", text, file,
+                                        "#SBATCH --nodes"), processes, ["./run.sh"], [],
+                  f'"$status" -eq {PREEMPTED} ]]' in text and "scontrol requeue" in text)
+
+
+def load_yaml(project: Path, file: str) -> dict:
+    try:
+        loaded = yaml.safe_load((project / file).read_text())
+    except yaml.YAMLError as error:
+        raise UserError(f"{file} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(loaded, dict):
+        raise UserError(f"{file} must be a mapping, as the template wrote it")
+    return loaded
+
+
+def dig(loaded: dict, file: str, *path):
+    """loaded[path[0]][path[1]]...; a missing step is one line naming the key."""
+    value = loaded
+    for step in path:
+        try:
+            value = value[step]
+        except (KeyError, IndexError, TypeError):
+            key = ".".join(str(part) for part in path)
+            raise UserError(f"{file}: {key} not found: restore it from the template") from None
+    return value
+
+
+def kubernetes(project: Path) -> Target:
+    file = "launch/trainjob.yaml"
+    job = load_yaml(project, file)
+    trainer = dig(job, file, "spec", "trainer")
+    gpus = int(dig(trainer, file, "resourcesPerNode", "limits", GPU))
+    env = {item.get("name"): item.get("value") for item in trainer.get("env") or []}
+    if env.get("RDZV_ID") != dig(job, file, "metadata", "name"):
+        raise UserError(f"{file}: the RDZV_ID variable ({env.get('RDZV_ID')}) is not the "
+                        "TrainJob's name: make it the same, so that the job applied again finds "
+                        "its run folder")
+    pod = dig(job, file, "spec", "runtimePatches", 0, "trainingRuntimeSpec", "template", "spec",
+              "replicatedJobs", 0, "template", "spec", "template", "spec")
+    mounts = [mount["mountPath"] for container in pod.get("containers") or []
+              for mount in container.get("volumeMounts") or []]
+    # The Kubeflow controller restarts failed pods (the runtime's failure policy); a job that
+    # exited PREEMPTED is applied again under its name and resumes.
+    return Target("Kubernetes", file, int(dig(trainer, file, "numNodes")), gpus,
+                  [str(word) for word in dig(trainer, file, "command")], mounts, True)
+
+
+def skypilot(project: Path) -> Target:
+    file = "launch/sky.yaml"
+    task = load_yaml(project, file)
+    accelerators = dig(task, file, "resources", "accelerators")
+    if isinstance(accelerators, dict) and len(accelerators) == 1:
+        count = next(iter(accelerators.values()))
+    else:
+        count = str(accelerators).rpartition(":")[2]
+    if not re.fullmatch("[0-9]+", str(count)):
+        raise UserError(f"{file}: resources.accelerators={accelerators} is not one GPU type "
+                        "with its count, e.g. H100:8")
+    lines = [line for line in str(dig(task, file, "run")).splitlines()
+             if "launch/node.sh" in line]
+    if len(lines) != 1:
+        raise UserError(f"{file}: the run block must run launch/node.sh skypilot once, as the "
+                        "template wrote it")
+    recovery = task["resources"].get("job_recovery") or {}
+    return Target("SkyPilot", file, int(task.get("num_nodes", 1)), int(count),
+                  shlex.split(lines[0]), list(task.get("file_mounts") or {}),
+                  PREEMPTED in (recovery.get("recover_on_exit_codes") or []))
+
+
+READERS = (run_sh, slurm, kubernetes, skypilot)
+
+
+def output_dir(args: list[str], config_file: str) -> str:
+    """run.output_dir as the job sees it: its override, else the config file's, else runs."""
+    for arg in reversed(args):
+        if arg.startswith("run.output_dir="):
+            return arg.partition("=")[2]
+    from omegaconf import OmegaConf  # the config file's own value, as load_config reads it
+    return str(OmegaConf.select(OmegaConf.load(config_file), "run.output_dir", default="runs")
+               or "runs")
+
+
+def config_file(args: list[str]) -> str:
+    for flag, value in zip(args, args[1:], strict=False):
+        if flag == "--config":
+            return value
+    return DEFAULT_CONFIG
+
+
+def check(target: Target, args: list[str]) -> str:
+    """The run folder of `target` given run.sh's `args`; UserError for one that cannot work."""
+    from ddpkit.config import load_config
+    where = f"{target.file} ({target.nodes} node(s) x {target.processes} process(es))"
+    if target.processes < 1 or target.nodes < 1:
+        raise UserError(f"{where}: give at least 1 node and 1 GPU per node (processes per node "
+                        "follow the GPUs): a job of 0 processes cannot start")
+    if target.file != "run.sh" and not target.restarts_on:
+        raise UserError(f"{target.file} does not start the job again when it exits "
+                        f"{PREEMPTED} (preempted, checkpoint saved): restore that from the "
+                        "template")
+    every = [*target.arguments(), *args]
+    try:
+        load_config(every, world_size=target.nodes * target.processes)
+    except UserError as error:
+        raise UserError(f"{where}: {error}") from None
+    runs = output_dir(every, config_file(every))
+    kept = [folder for folder in target.storage if runs.rstrip("/") == folder.rstrip("/")
+            or runs.startswith(folder.rstrip("/") + "/")]
+    if target.storage and not kept:
+        raise UserError(f"{target.file}: run.output_dir={runs} is not on the volume or bucket "
+                        f"it mounts ({', '.join(target.storage)}): checkpoints there would go "
+                        f"with the node; use run.output_dir={target.storage[0]}")
+    return runs
+
+
+def table(project: Path, args: list[str]) -> list[str]:
+    """One line per launcher; UserError at the first that cannot work."""
+    lines = []
+    for reader in READERS:
+        target = reader(project)
+        runs = check(target, args)
+        every = [*target.arguments(), *args]
+        lines.append(f"{target.name + ':':<13} {target.file:<21} {target.nodes} x "
+                     f"{target.processes}  each node: {shlex.join([*target.command, *args])}  "
+                     f"config {config_file(every)}  checkpoints {runs}/<run>/checkpoints")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    try:
+        lines = table(Path.cwd(), argv)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    print(f"exit status {PREEMPTED}: preempted with a checkpoint saved; each cluster launcher "
+          "starts the job again and it resumes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,85 @@
+"""Continue a prompt with a trained language model: the model of a checkpoint or of model.pt.
+
+    python sample.py runs/<run>                        # the run's result (as evaluate.py takes it)
+    python sample.py runs/<run>/model.pt --prompt "The " --tokens 200 --temperature 0.8 \\
+        --top-k 40 --seed 1 --samples 3
+
+One process, on the first GPU if there is one, else the CPU. The model and its data come from the
+checkpoint's config: the token folder (data.root, data.dataset=tokens) gives the vocabulary that
+encodes the prompt and decodes the continuation, and data.block_size the context the model
+sees. Any model that returns the logits of every position works (model.name=gpt, or yours: a
+tensor, a (logits, loss) pair or a Hugging Face causal-LM output). The same seed writes the same
+text. Each continuation is printed whole, prompt first, followed by a line of dashes.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from ddpkit import checkpoint_files, checkpoint_load, lifecycle, recipes
+from ddpkit.config import UserError, config_from_dict
+from ddpkit.data import build_splits
+from ddpkit.evaluation import run_folder_choice
+from ddpkit.lm import generate
+from ddpkit.parallel import build_model
+from ddpkit.tasks import build_task
+from ddpkit.tokens import Vocabulary
+
+
+def arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python sample.py", description=__doc__.split("\n")[0])
+    parser.add_argument("source", help="a run folder, a checkpoint folder or a model.pt")
+    parser.add_argument("--prompt", default="\n", help="the text to continue (default: a "
+                        "new line)")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens to add (default 200)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="below 1: likelier tokens; 0: always the likeliest (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="draw from the k likeliest tokens only; 0: all (default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--samples", type=int, default=1, help="continuations (default 1)")
+    args = parser.parse_args(argv)
+    if args.tokens < 1 or args.samples < 1 or args.temperature < 0 or args.top_k < 0:
+        raise UserError("--tokens and --samples must be 1 or more, --temperature and --top-k "
+                        "0 or more")
+    return args
+
+
+def load(spec: str):
+    """The model of a run folder, checkpoint or model file, with its vocabulary and context."""
+    path = Path(spec)
+    chosen = run_folder_choice(path)[0] if (path / "checkpoints").is_dir() else path
+    source = checkpoint_files.find_checkpoint(str(chosen))
+    state = checkpoint_load.load_checkpoint(source)
+    cfg = config_from_dict(state.get("config", {}), f"config stored in {source}")
+    splits = build_splits(cfg)
+    meta = getattr(splits.train, "meta", None)
+    if meta is None:
+        raise UserError(f"{source} was trained on data.dataset={cfg.data.dataset}, not on token "
+                        "data (data.dataset=tokens): sample.py writes text for language models")
+    task = build_task(cfg, splits)
+    input_shape = task.input_shape(splits.val[0])
+    model = build_model(cfg.model, input_shape, task.num_outputs)
+    checkpoint_load.load_model_weights(model, source, state)
+    return model.eval(), Vocabulary(meta), input_shape[0]
+
+
+def main(argv: list[str]) -> None:
+    args = arguments(argv)
+    recipes.load()  # your model.py, data_sources.py and tasks.py add to the registries
+    model, vocabulary, context = load(args.source)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    prompt = torch.tensor([vocabulary.encode(args.prompt)], device=device)
+    if prompt.numel() == 0:
+        raise UserError("--prompt encodes to no tokens: give it some text")
+    generator = torch.Generator(device).manual_seed(args.seed)
+    for _ in range(args.samples):
+        tokens = generate(model, prompt, args.tokens, context, args.temperature, args.top_k,
+                          generator)
+        print(vocabulary.decode(tokens[0].tolist()), "-" * 40, sep="\n", flush=True)
+
+
+if __name__ == "__main__":
+    lifecycle.run_main(main)
