@@ -90,7 +90,6 @@ def tell_run_sh(status: str) -> None:
         Path(status_file).write_text(status + "\n")
 
 
-PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: stopped on purpose; the same command resumes
 
 
 STALLED_EXIT = 1

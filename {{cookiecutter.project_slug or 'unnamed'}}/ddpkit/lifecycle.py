@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from ddpkit.dist_utils import describe_failures, is_rank_0
 from ddpkit.exits import (
-    PREEMPTED_EXIT,
     end_cleanly,
     exit_now,
     job_failed,
@@ -28,7 +27,7 @@ from ddpkit.exits import (
     tell_run_sh,
     world_size_given,
 )
-from ddpkit.project import UserError
+from ddpkit.project import PREEMPTED_EXIT, UserError
 from ddpkit.supervisor import Preempted, handle_signals, running_watchdog
 
 log = logging.getLogger("ddp")

@@ -3,6 +3,9 @@
 from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]  # the folder of train.py and your files
+# run.sh's exit status when the job stopped on purpose with a checkpoint saved (sysexits'
+# EX_TEMPFAIL): the same command resumes. Every launcher restarts on it (targets.py).
+PREEMPTED_EXIT = 75
 
 
 class UserError(Exception):

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import yaml
 
+from ddpkit.project import PREEMPTED_EXIT as PREEMPTED
 from ddpkit.project import UserError
 
-PREEMPTED = 75  # run.sh's exit status when the job stopped with a checkpoint saved: run it again
 CLUSTER_RUNS = "/runs"  # the volume (Kubernetes) or bucket (SkyPilot) that keeps the run folders
 DEFAULT_CONFIG = "configs/default.yaml"
 GPU = "nvidia.com/gpu"  # the resource a Kubernetes node's GPUs are asked for by

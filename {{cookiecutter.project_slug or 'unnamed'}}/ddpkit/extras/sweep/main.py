@@ -20,8 +20,8 @@ from ddpkit.extras.sweep.optuna_search import check_storage, run_optuna, task_di
 from ddpkit.extras.sweep.slurm import submit_array
 from ddpkit.extras.sweep.space import parse_space, plan_trials
 from ddpkit.extras.sweep.summary import write_sweep_summary
+from ddpkit.project import PREEMPTED_EXIT
 
-PREEMPTED_EXIT = 75  # as exits.PREEMPTED_EXIT (not imported: it would import torch)
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (as the bake's answer).
 SLURM_TIME = re.compile(r"[0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}")
 MAX_SEED = 2**32 - 1  # Optuna's samplers take seeds from 0 to this
