@@ -33,7 +33,14 @@ otherwise, against nanoGPT's own loop in handwritten.py (`--workload gpt`: rando
 rank, validation and a torch.save checkpoint on rank 0), 8 optimizer steps under torchrun
 --nproc_per_node=2: where start-up and memory show.
 
-Per run: the median time (the first epoch left out), the final training loss, and for every
+`lm` is the template's language-model recipe (docs/recipes/language-model.md; the bake's docs as
+character tokens) against a nanoGPT-style loop of the same model, data, optimizer and schedule
+(bench/handwritten_lm.py). Each round has its own seed (run.seed, --seed); both sides are timed
+per step after their first logging window and compared by the mean training loss of each
+logging window at the same steps.
+
+Per run: the median time (the first epoch left out; lm: its steps after the first logging
+window), the final training loss (lm: of the last logging window), and for every
 workload, recorded the same way for every contender by bench/peak.py (each training process is
 its child; bench/probe/sitecustomize.py hooks the first optimizer step without touching the
 contenders' code): the time from launch (this script starting the launcher) to the end of the
@@ -47,6 +54,7 @@ machine's slow spells hit a round's contenders alike. Writes results.json and re
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import operator
@@ -103,6 +111,29 @@ WORKLOADS = {
                     "4M generated tokens, global batch 16, 8 steps, then validation and a "
                     "checkpoint"},
 }
+
+
+def lm_workload(steps: int = 60, warmup: int = 6, log_every: int = 10, batch: int = 64) -> dict:
+    """The recipe's sizes, its steps cut to keep a run under a minute on 2 cores; what neither
+    side is given (weight decay, dropout, betas, eval batch) is the same by default."""
+    return {
+        "prepare": ["-m", "ddpkit.tokens", "docs", "README.md", "--out", "data/chars"],
+        "overrides": ["data.dataset=tokens", "data.root=data/chars", "data.block_size=128",
+                      "model.name=gpt", "model.hidden_dim=128", "model.num_layers=4",
+                      f"train.global_batch_size={batch}", f"train.max_steps={steps}",
+                      "optim.lr=0.001", f"optim.warmup_steps={warmup}", "optim.grad_clip=1.0",
+                      f"train.log_every={log_every}"],
+        "script": "handwritten_lm.py",
+        "script_args": ["--data", "{project}/data/chars", "--steps", str(steps), "--warmup",
+                        str(warmup), "--log-every", str(log_every), "--batch-size", str(batch)],
+        "epochs": 1, "nproc": 2, "key": "seconds_per_step", "lightning": False, "seeded": True,
+        "log_every": log_every, "global_batch": batch,
+        "what": f"the language-model recipe: GPT 4x128 (0.82M parameters), context 128, on the "
+                f"bake's docs as characters, global batch {batch}, {steps} steps ({warmup} "
+                f"warmup, then cosine), then validation and a checkpoint"}
+
+
+WORKLOADS["lm"] = lm_workload()
 
 
 def bake(where: Path) -> Path:
@@ -176,11 +207,20 @@ def summarise(epoch_seconds: list[float], step_seconds: list[float], first_step:
             "final_loss": loss, "epoch_seconds": epoch_seconds, "exit_status": status}
 
 
-def run_template(project: Path, workload: dict, scratch: Path, tag: str,
+def steady_seconds_per_step(records: list[dict], workload: dict) -> float:
+    """The template's seconds per step over its logging windows after the first log_every steps
+    (start-up left out, as the hand-written loop does): a window's samples over its samples/s."""
+    timed = [(b["step"] - a["step"], b["samples_per_s"]) for a, b in itertools.pairwise(records)
+             if b["step"] > workload["log_every"]]
+    return sum(n * workload["global_batch"] / rate for n, rate in timed) / sum(n for n, _ in timed)
+
+
+def run_template(project: Path, workload: dict, scratch: Path, tag: str, seed: int = 0,
                  name: str = "template", overrides: tuple = ()) -> dict:
     run_dir = scratch / f"{name}-{tag}"
+    seeded = [f"run.seed={seed}"] if workload.get("seeded") else []
     command = torchrun("train.py", f"run.dir={run_dir}", f"train.epochs={workload['epochs']}",
-                       "train.progress_bar=false", *workload["overrides"], *overrides,
+                       "train.progress_bar=false", *workload["overrides"], *seeded, *overrides,
                        nproc=workload["nproc"])
     log = scratch / f"{name}-{tag}.log"
     launched, first_step, rss, status = run_measured(command, project, log, workload["nproc"])
@@ -191,26 +231,40 @@ def run_template(project: Path, workload: dict, scratch: Path, tag: str,
     # The training samples/s of each logging window (all ranks together), the first (start-up)
     # left out. An epoch shorter than train.log_every steps is one window.
     rates = [r["samples_per_s"] for r in records if "samples_per_s" in r][1:]
-    return summarise([e["epoch_seconds"] for e in epochs],
-                     [e["train_seconds"] / n for e, n in zip(epochs, steps, strict=True)],
-                     first_step, launched, rss, epochs[-1]["train_loss"], status,
-                     samples_per_second=statistics.median(rates or [math.nan]))
+    more = {"samples_per_second": statistics.median(rates or [math.nan])}
+    step_seconds = [e["train_seconds"] / n for e, n in zip(epochs, steps, strict=True)]
+    loss = epochs[-1]["train_loss"]
+    if "log_every" in workload:  # lm: timed and its loss taken as the hand-written loop does
+        step_seconds = [steady_seconds_per_step(records, workload)]
+        more["window_losses"] = {str(r["step"]): r["loss"] for r in records}
+        loss = records[-1]["loss"]
+    # A run by steps (lm: windows drawn for train.max_steps) has no epoch_seconds.
+    seconds = [e.get("epoch_seconds", e["train_seconds"] + e["val_seconds"]) for e in epochs]
+    return summarise(seconds, step_seconds, first_step, launched, rss, loss, status, **more)
 
 
 def run_script(name: str, script: Path, workload_name: str, workload: dict, scratch: Path,
-               tag: str) -> dict:
+               tag: str, seed: int = 0, project: Path | None = None) -> dict:
     log = scratch / f"{name}-{tag}.log"
-    flags = ["--matched"] if workload.get("matched") else []
-    command = torchrun(str(script), "--workload", workload_name.split("-")[0], "--epochs",
-                       str(workload["epochs"]), *flags, *workload.get("script_args", ()),
-                       nproc=workload["nproc"])
+    if "script" in workload:  # a script of its own (lm): its arguments, {project} the bake
+        args = [arg.format(project=project) for arg in workload["script_args"]]
+    else:
+        args = ["--workload", workload_name.split("-")[0], "--epochs", str(workload["epochs"]),
+                *(["--matched"] if workload.get("matched") else []),
+                *workload.get("script_args", ())]
+    seeded = ["--seed", str(seed)] if workload.get("seeded") else []
+    command = torchrun(str(script), *args, *seeded, nproc=workload["nproc"])
     launched, first, rss, status = run_measured(command, BENCH, log, workload["nproc"])
     records = json_lines(log)
     epochs = [r for r in records if "epoch" in r]
     complete(epochs, workload, status, log)
-    return summarise([e["seconds"] for e in epochs],
-                     [e.get("train_seconds", e["seconds"]) / e.get("steps", 1) for e in epochs],
-                     first, launched, rss, epochs[-1]["loss"], status)
+    more = {"window_losses": epochs[-1]["window_losses"]} if "window_losses" in epochs[-1] else {}
+    # lm: its time per step after the first logging window, as the template's is taken
+    step_seconds = [e.get("steady_seconds_per_step",
+                          e.get("train_seconds", e["seconds"]) / e.get("steps", 1))
+                    for e in epochs]
+    return summarise([e["seconds"] for e in epochs], step_seconds, first, launched, rss,
+                     epochs[-1]["loss"], status, **more)
 
 
 def pairwise(runs: dict, key: str, base_name: str = "handwritten",
@@ -285,14 +339,15 @@ def contenders_for(name: str, workload: dict, project: Path, scratch: Path) -> d
         return {contender: functools.partial(run_template, project, workload, scratch,
                                              name=contender, overrides=tuple(overrides))
                 for contender, overrides in workload["contenders"].items()}
+    script = BENCH / workload.get("script", "handwritten.py")
     todo = {
-        "template": lambda tag: run_template(project, workload, scratch, tag),
-        "handwritten": lambda tag: run_script("handwritten", BENCH / "handwritten.py", name,
-                                              workload, scratch, tag),
+        "template": functools.partial(run_template, project, workload, scratch),
+        "handwritten": lambda tag, seed: run_script("handwritten", script, name, workload,
+                                                    scratch, tag, seed, project),
     }
     if have_lightning() and not workload.get("matched") and workload.get("lightning", True):
-        todo["lightning"] = lambda tag: run_script("lightning", BENCH / "lightning_loop.py", name,
-                                                   workload, scratch, tag)
+        todo["lightning"] = lambda tag, seed: run_script(
+            "lightning", BENCH / "lightning_loop.py", name, workload, scratch, tag, seed)
     return todo
 
 
@@ -300,14 +355,15 @@ TRIES = 3  # a run that stops before its last epoch is run again, up to this man
 
 
 def run_rounds(name: str, todo: dict, pairs: int) -> dict:
-    """Round 0 warms caches up and is not measured; then the contenders alternate per round."""
+    """Round 0 warms caches up and is not measured; then the contenders alternate per round.
+    A seeded workload (lm) runs round i with seed i."""
     runs = {contender: [] for contender in todo}
     for round_index in range(pairs + 1):
         for contender, run in todo.items():
             for attempt in range(1, TRIES + 1):
                 print(f"{name:>10} round {round_index}/{pairs} {contender} ...", flush=True)
                 try:
-                    result = run(f"{name}-{round_index}-{attempt}")
+                    result = run(f"{name}-{round_index}-{attempt}", round_index)
                     break
                 except RunFailed as failed:
                     if attempt == TRIES:
@@ -332,6 +388,31 @@ def irregular_runs(runs: dict) -> list[str]:
     return notes
 
 
+def loss_lines(runs: dict) -> list[str]:
+    """lm: each side's final training loss per round (seed), its median and spread, whether that
+    median lies within the other side's seeds' spread; the median loss at every matched step."""
+    lines = []
+    for workload, by_contender in runs.items():
+        if "window_losses" not in by_contender.get("template", [{}])[0]:
+            continue
+        finals = {name: [r["final_loss"] for r in measured]
+                  for name, measured in by_contender.items()}
+        steps = list(by_contender["template"][0]["window_losses"])
+        for name, other in (("template", "handwritten"), ("handwritten", "template")):
+            mine, theirs = finals[name], finals[other]
+            inside = min(theirs) <= statistics.median(mine) <= max(theirs)
+            at_steps = (statistics.median(r["window_losses"][s] for r in by_contender[name])
+                        for s in steps)
+            lines.append(f"{workload} {name}: final train loss by seed "
+                         f"{', '.join(f'{v:.4f}' for v in mine)}; median "
+                         f"{statistics.median(mine):.4f}, spread {min(mine):.4f}.."
+                         f"{max(mine):.4f}, {'within' if inside else 'outside'} the {other} "
+                         "seeds' spread")
+            lines.append(f"{workload} {name}: median train loss at steps {'/'.join(steps)}: "
+                         + "/".join(f"{m:.3f}" for m in at_steps))
+    return lines
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=7, help="measured rounds after a warm-up")
@@ -350,6 +431,9 @@ def main(argv: list[str]) -> int:
         project = bake(scratch / "baked")
         for name in names:
             workload = WORKLOADS[name]
+            if "prepare" in workload:  # its data, by the bake's own command (lm: tokens)
+                subprocess.run([sys.executable, *workload["prepare"]], cwd=project, check=True,
+                               stdout=subprocess.DEVNULL)
             runs[name] = run_rounds(name, contenders_for(name, workload, project, scratch),
                                     args.pairs)
             results[name] = {
@@ -364,6 +448,10 @@ def main(argv: list[str]) -> int:
                "python": platform.python_version(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d")}
     markdown = table(results, ratios)
+    losses = loss_lines(runs)
+    if losses:
+        markdown += "\n\nLoss at matched steps (each round its own seed):\n" + "\n".join(
+            f"- {line}" for line in losses)
     notes = irregular_runs(runs)
     if notes:
         markdown += "\n\nRetried or failed at teardown:\n" + "\n".join(f"- {n}" for n in notes)

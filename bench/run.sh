@@ -3,9 +3,12 @@
 # (PyTorch Lightning; skip them with BENCH_LIGHTNING=0), then run bench/bench.py with any
 # arguments given here, e.g.  bash bench/run.sh --pairs 7 --workloads tiny
 #                             bash bench/run.sh --pairs 3 --workloads gpt   # memory, start-up
+#                             bash bench/run.sh --pairs 5 --workloads lm    # the LM recipe
 # Every workload also reports, per round against the hand-written loop, the peak RSS per
 # training process (a ratio) and launch to first step (a difference), both recorded by
-# bench/peak.py. Results: bench/results/results.md and results.json. About 30 minutes on 2 cores.
+# bench/peak.py; lm adds the training loss at matched steps, each round its own seed.
+# Results: bench/results/results.md and results.json. About 30 minutes on 2 cores, plus about 2
+# minutes a round for lm.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"

@@ -1,40 +1,106 @@
-"""Write a checkpoint's model as one file: for evaluate.py, or to ship the model.
+"""Write a checkpoint's model as one file (or one folder): for evaluate.py, or to ship the model.
 
     python export.py runs/<run>                                   # its latest checkpoint
     python export.py runs/<run>/checkpoints/step-00000200 out.pt  # that one, to out.pt
     python export.py runs/<run> --best                            # its best validation's
+    python export.py runs/<run> --format safetensors              # model.safetensors
+    python export.py runs/<run> --format hf                       # hf-model/: save_pretrained
 
 One process, no GPU and no process group needed: the checkpoint's shards (saved by any number of
-processes, DDP or FSDP) are read into whole tensors. The file (default: model.pt in the run
-folder, which training also writes at its end) holds the weights keyed by parameter name, the
-step and the config that builds the model, and loads with torch.load(weights_only=True):
+processes, DDP or FSDP) are read into whole tensors. The source may also be a model.pt.
+
+--format pt (the default) writes model.pt in the run folder (training also writes one at its
+end): the weights keyed by parameter name, the step and the config that builds the model; it
+loads with torch.load(weights_only=True):
 
     state = torch.load("model.pt", weights_only=True)
     model.load_state_dict(state["model"])  # the bare model, as build_model makes it
+
+--format safetensors writes model.safetensors (the safetensors extra); --format hf writes a
+Hugging Face model's save_pretrained folder, with the data's tokenizer (the transformers
+extra). Both build the model from the checkpoint's config, as evaluate.py does: they need your
+recipe files and the run's data (docs/checkpoints.md, "Exports").
 """
 
+import argparse
+import importlib.util
 import json
+import os
+import re
+import shutil
+import sys
 from pathlib import Path
 
-from ddpkit import checkpoint, checkpoint_files, checkpoint_load, lifecycle, report
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import ddpkit
+from ddpkit import checkpoint, checkpoint_files, checkpoint_load, lifecycle, recipes, report
 from ddpkit.config import UserError, config_from_dict
+from ddpkit.data import DataModule
+from ddpkit.dist_utils import DistEnv
+from ddpkit.parallel import build_model
+from ddpkit.tasks import build_task
+from ddpkit.tokens import Vocabulary
+from ddpkit.writes import write_failure
+
+OUTPUTS = {"pt": checkpoint_files.MODEL_FILE, "safetensors": "model.safetensors",
+           "hf": "hf-model"}  # each format's output in the run folder, unless one is given
+NEEDS = {"safetensors": ("safetensors", "safetensors"),  # format: (package, extra)
+         "hf": ("transformers", "transformers")}
+
+
+class Arguments(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A mistake in the arguments: one line (exit 2 through lifecycle.run_main)."""
+        raise UserError(f"{message} ({' '.join(self.format_usage().split())})")
+
+
+def arguments(argv: list[str]) -> argparse.Namespace:
+    parser = Arguments(prog="python export.py", description=__doc__.split("\n")[0])
+    parser.add_argument("source", help="a run folder (its newest intact checkpoint), a "
+                        "checkpoint folder (checkpoints/step-N) or a model.pt")
+    parser.add_argument("output", nargs="?", help="the file (the folder for hf) to write; "
+                        f"default: {', '.join(OUTPUTS.values())} in the run folder")
+    parser.add_argument("--best", action="store_true",
+                        help="the checkpoint of the run's best validation")
+    parser.add_argument("--format", default="pt", metavar="|".join(OUTPUTS),
+                        help="pt (default), safetensors, or hf (a Hugging Face model's folder)")
+    args = parser.parse_intermixed_args(argv)  # --format and --best anywhere
+    if args.format not in OUTPUTS:  # (argparse's own wording of this differs between Pythons)
+        parser.error(f"--format {args.format} is not one of {', '.join(OUTPUTS)}")
+    return args
 
 
 def main(argv: list[str]) -> None:
-    best = "--best" in argv
-    argv = [arg for arg in argv if arg != "--best"]
-    if len(argv) not in (1, 2):
-        raise UserError("usage: python export.py <run folder or checkpoint folder> [output file]"
-                        " [--best]")
-    source = checkpoint_files.find_checkpoint(best_checkpoint(Path(argv[0])) if best else argv[0])
-    if not checkpoint_files.is_checkpoint(source):
-        raise UserError(f"{source} is not a checkpoint folder: give a run folder or its "
-                        "checkpoints/step-<N>")
+    args = arguments(argv)
+    if args.format in NEEDS and importlib.util.find_spec(NEEDS[args.format][0]) is None:
+        package, extra = NEEDS[args.format]
+        raise UserError(f"--format {args.format} needs the {package} package: install the "
+                        f"{extra} extra (pip install -e '.[{extra}]')")
+    source = checkpoint_files.find_checkpoint(
+        best_checkpoint(Path(args.source)) if args.best else args.source)
+    if source.is_dir() and not checkpoint_files.is_checkpoint(source):
+        raise UserError(f"{source} is not a checkpoint folder: give a run folder, its "
+                        "checkpoints/step-<N> or a model.pt")
     state = checkpoint_load.load_checkpoint(source)
+    if not source.is_dir() and "model" not in state:
+        raise UserError(f"{source} is not a model file: give a run folder, a checkpoint folder "
+                        "or a model.pt")
     cfg = config_from_dict(state.get("config", {}), f"config stored in {source}")
     run_dir = source.parent.parent if source.parent.name == "checkpoints" else source.parent
-    target = Path(argv[1]) if len(argv) == 2 else run_dir / checkpoint_files.MODEL_FILE
-    checkpoint.export_model(checkpoint_load.read_model(source), target, state["step"], cfg)
+    target = Path(args.output) if args.output else run_dir / OUTPUTS[args.format]
+    if args.format == "hf":
+        check_hugging_face_target(target)
+    if args.format == "pt":
+        weights = checkpoint_load.read_model(source) if source.is_dir() else state["model"]
+        checkpoint.export_model(weights, target, state["step"], cfg)
+    else:
+        model, data = built_model(source, state, cfg)
+        if args.format == "safetensors":
+            write_safetensors(model, target, state["step"], cfg)
+        else:
+            write_hugging_face(model, data, target, cfg)
     print(f"wrote {target}: the model of {source} (step {state['step']})")
 
 
@@ -48,6 +114,104 @@ def best_checkpoint(run_dir: Path) -> str:
         raise UserError(f"--best: {run_dir} names no best checkpoint (give a run folder trained "
                         "with train.keep_best=true, after its first validation)")
     return str(run_dir / "checkpoints" / Path(best).name)  # the run folder may have moved
+
+
+def built_model(source: Path, state: dict, cfg: DictConfig) -> tuple[torch.nn.Module, DataModule]:
+    """The bare model that the checkpoint's config builds (your recipe files, the run's data for
+    the input shape, as evaluate.py builds it), holding the checkpoint's weights."""
+    # The export's one line is its output: no progress bars of a Hugging Face model's loading
+    # and saving (transformers reads this when a builder, or your model.py, imports it).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    recipes.load()  # your model.py, data_sources.py and tasks.py add to the registries
+    data = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
+    task = build_task(cfg, data.splits)
+    model = build_model(cfg.model, task.input_shape(data.first_samples()[0]), task.num_outputs)
+    checkpoint_load.load_model_weights(model, source, state)
+    return model.eval(), data
+
+
+def write_safetensors(model: torch.nn.Module, target: Path, step: int, cfg: DictConfig) -> None:
+    """The weights keyed by parameter name, with the step, the release and the config (JSON) as
+    metadata. safetensors stores no shared tensors: save_model writes a tied weight (model.name=
+    gpt's head.weight, the token embedding's) once and records each dropped name in the
+    metadata, mapped to the name it kept; safetensors.torch.load_model restores both."""
+    from safetensors.torch import save_model
+
+    metadata = {"format": "pt", "step": str(step), "template_version": ddpkit.__version__,
+                "config": json.dumps(OmegaConf.to_container(cfg))}
+    written_in_place(target, lambda path: save_model(model, str(path), metadata))
+
+
+def write_hugging_face(model: torch.nn.Module, data: DataModule, target: Path,
+                       cfg: DictConfig) -> None:
+    """A Hugging Face model's save_pretrained folder, with the token data's tokenizer (if it has
+    one) saved beside it, so that from_pretrained and sample.py open it as it is."""
+    transformers = sys.modules.get("transformers")  # imported by any builder of such a model
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        raise UserError(f"--format hf: model.name={cfg.model.name} builds a "
+                        f"{type(model).__name__}, not a Hugging Face PreTrainedModel: export it "
+                        "with --format safetensors")
+    meta = getattr(data.splits.train, "meta", None) or {}
+    tokenizer = (Vocabulary(meta).tokenizer
+                 if meta.get("tokenizer") not in (None, "characters") else None)
+
+    def save(folder: Path) -> None:
+        model.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+
+    written_in_place(target, save)
+
+
+def check_hugging_face_target(target: Path) -> None:
+    """The folder --format hf may replace: none yet, or one that save_pretrained wrote."""
+    if target.exists() and not (target / "config.json").is_file():
+        raise UserError(f"{target} exists and is not a Hugging Face model's folder: give "
+                        "another output folder, or remove it")
+
+
+def written_in_place(target: Path, write) -> None:
+    """`write(path)` makes a file or folder at a temporary path beside `target`, then it is
+    renamed to `target` (an earlier one is replaced): `target` is never half written, and a
+    failed write leaves nothing behind."""
+    from safetensors import SafetensorError  # (both formats that come here write with it)
+
+    target = Path(target)
+    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    earlier = target.with_name(f".{target.name}.old-{os.getpid()}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write(temporary)
+        readable_as_by_open(temporary)
+        if temporary.is_dir() and target.is_dir():  # a folder cannot replace a full folder
+            os.replace(target, earlier)
+        os.replace(temporary, target)
+    except (OSError, SafetensorError) as error:
+        raise UserError(write_failure(as_os_error(error), target)) from None
+    finally:
+        for path in (temporary, earlier):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.exists():  # (False too where the parent is not a folder)
+                path.unlink()
+
+
+def as_os_error(error: Exception) -> OSError:
+    """safetensors' I/O errors ("... No space left on device (os error 28) ...") as the OSError
+    they stand for, so that a full disk is reported as any other write's is."""
+    if isinstance(error, OSError):
+        return error
+    code = re.search(r"\(os error (\d+)\)", str(error))
+    return OSError(int(code[1]), os.strerror(int(code[1]))) if code else OSError(str(error))
+
+
+def readable_as_by_open(path: Path) -> None:
+    """The permissions open() would give (the umask's): safetensors writes its files for their
+    owner alone (0600), and an export is often read by others."""
+    umask = os.umask(0)
+    os.umask(umask)  # (reading it sets it: put back at once, before anything else is written)
+    for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+        file.chmod(0o666 & ~umask)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,20 @@
     python sample.py runs/<run>                        # the run's result (as evaluate.py takes it)
     python sample.py runs/<run>/model.pt --prompt "The " --tokens 200 --temperature 0.8 \\
         --top-k 40 --seed 1 --samples 3
+    python sample.py path/to/hf-model                  # a causal LM saved by save_pretrained
 
 One process, on the first GPU if there is one, else the CPU. The model and its data come from the
 checkpoint's config: the token folder (data.root, data.dataset=tokens) gives the vocabulary that
 encodes the prompt and decodes the continuation, and data.block_size the context the model
 sees. Any model that returns the logits of every position works (model.name=gpt, or yours: a
-tensor, a (logits, loss) pair or a Hugging Face causal-LM output). The same seed writes the same
-text. Each continuation is printed whole, prompt first, followed by a line of dashes.
+tensor, a (logits, loss) pair or a Hugging Face causal-LM output). A folder written by a Hugging
+Face model's save_pretrained (config.json) is loaded with its tokenizer, saved to the same
+folder (the transformers extra). The same seed writes the same text. Each continuation is
+printed whole, prompt first, followed by a line of dashes.
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -29,7 +33,8 @@ from ddpkit.tokens import Vocabulary
 
 def arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python sample.py", description=__doc__.split("\n")[0])
-    parser.add_argument("source", help="a run folder, a checkpoint folder or a model.pt")
+    parser.add_argument("source", help="a run folder, a checkpoint folder, a model.pt or a "
+                        "Hugging Face model's folder")
     parser.add_argument("--prompt", default="\n", help="the text to continue (default: a "
                         "new line)")
     parser.add_argument("--tokens", type=int, default=200, help="tokens to add (default 200)")
@@ -49,6 +54,8 @@ def arguments(argv: list[str]) -> argparse.Namespace:
 def load(spec: str):
     """The model of a run folder, checkpoint or model file, with its vocabulary and context."""
     path = Path(spec)
+    if (path / "config.json").is_file():  # a Hugging Face model's own folder
+        return load_pretrained(path)
     chosen = run_folder_choice(path)[0] if (path / "checkpoints").is_dir() else path
     source = checkpoint_files.find_checkpoint(str(chosen))
     state = checkpoint_load.load_checkpoint(source)
@@ -63,6 +70,22 @@ def load(spec: str):
     model = build_model(cfg.model, input_shape, task.num_outputs)
     checkpoint_load.load_model_weights(model, source, state)
     return model.eval(), Vocabulary(meta), input_shape[0]
+
+
+def load_pretrained(folder: Path):
+    """A causal LM saved by save_pretrained, its tokenizer in the same folder (nothing is
+    downloaded); its context: the positions it was built for."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise UserError(f"{folder} is a Hugging Face model's folder: reading it needs the "
+                        "transformers extra (pip install -e '.[transformers]')") from None
+    if not (folder / "tokenizer_config.json").is_file():
+        raise UserError(f"{folder} holds a model but no tokenizer: save the model's tokenizer "
+                        "to the same folder (tokenizer.save_pretrained)")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    context = getattr(model.config, "max_position_embeddings", None) or sys.maxsize
+    return model.eval(), Vocabulary({"tokenizer": str(folder)}), context
 
 
 def main(argv: list[str]) -> None:

@@ -80,7 +80,10 @@ def train_epochs(run: Run) -> None:
                                               speed, scaler, grad_clip)
             # The rates this step trained with, read before the scheduler sets the next step's.
             training_log.add_step(values, samples, grad_norm, rates())
-            scheduler.step()
+            if run.guard is None or run.guard.updated:  # a skipped step keeps the schedule
+                scheduler.step()
+                if run.ema is not None:  # train.ema_decay: the averaged weights follow
+                    run.ema.update()
             profiler.step()
             position.step += 1
             position.step_in_epoch += 1
@@ -120,8 +123,10 @@ def validated(run: Run, record: dict | None) -> None:
 def progress_bar(run: Run) -> tqdm:
     """The epoch's progress bar: rank 0, on a terminal, unless train.progress_bar=false."""
     show = run.env.is_main and run.cfg.train.progress_bar and sys.stderr.isatty()
+    epoch = f"epoch {run.position.epoch + 1}/{run.cfg.train.epochs}"
+    where = "steps" if run.data.by_steps else epoch
     return tqdm(total=run.data.steps_per_epoch, initial=run.position.step_in_epoch, leave=False,
-                desc=f"epoch {run.position.epoch + 1}/{run.cfg.train.epochs}", disable=not show)
+                desc=where, disable=not show)
 
 
 if __name__ == "__main__":

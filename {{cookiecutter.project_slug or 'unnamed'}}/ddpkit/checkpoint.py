@@ -149,7 +149,8 @@ class Checkpointer:
                      step=position.step, epoch=position.epoch,
                      step_in_epoch=position.step_in_epoch, world_size=env.world_size, rng=rngs,
                      config=OmegaConf.to_container(cfg))
-        sharded = {name: parts[name].state_dict() for name in SHARDED_PARTS}
+        sharded = {name: parts[name].state_dict() for name in SHARDED_PARTS
+                   if parts.get(name) is not None}
         path = self.folder / f"step-{position.step:08d}"
         tmp = self.folder / f".{path.name}.tmp"
         refuse_non_finite(sharded["model"], position.step, self.folder)

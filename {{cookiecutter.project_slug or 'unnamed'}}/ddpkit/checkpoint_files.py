@@ -40,7 +40,9 @@ from ddpkit.config import UserError
 log = logging.getLogger("ddp")
 
 
-SHARDED_PARTS = ("model", "optimizer")  # saved by every rank through DCP; the rest in state.pt
+# Saved by every rank through DCP (the averaged weights only when a run keeps them); the rest
+# in state.pt.
+SHARDED_PARTS = ("model", "optimizer", "ema")
 
 
 # The checkpoint format, recorded in state.pt as `format_version`, beside `template_version` (the

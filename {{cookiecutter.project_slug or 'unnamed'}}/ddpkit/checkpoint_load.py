@@ -283,13 +283,18 @@ def restore_parts(source: Path, parts: dict, env: DistEnv) -> Position:
     """Everything a checkpoint holds back into `parts` (name -> object with state_dict() and
     load_state_dict(), or None), on every rank (collective); returns the position."""
     state = load_checkpoint(source, resuming=True)
-    targets = {name: parts[name].state_dict() for name in SHARDED_PARTS}
-    _check_keys(source, _read_metadata(source), targets)
+    metadata = _read_metadata(source)
+    saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    targets = {name: parts[name].state_dict() for name in SHARDED_PARTS
+               if parts.get(name) is not None and (name in saved or name != "ema")}
+    _check_keys(source, metadata, targets)
     read_sharded(source, targets, distributed=dist.is_initialized())
     try:
         for name, part in parts.items():
-            if name in SHARDED_PARTS:
+            if name in targets:
                 part.load_state_dict(targets[name])
+            elif name == "ema" and part is not None:  # saved without averages: start them
+                part.restart()
             elif part is not None and state.get(name) is not None:
                 part.load_state_dict(state[name])
         position = Position(*(int(state[k]) for k in ("step", "epoch", "step_in_epoch")))

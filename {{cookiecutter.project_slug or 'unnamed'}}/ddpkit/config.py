@@ -38,6 +38,7 @@ DEFAULT_CONFIG_FILE = PROJECT_DIR / "configs" / "default.yaml"
 
 TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string",
               bool | None: "true, false or null (null: chosen automatically)",
+              bool | str: "true, false or a name",
               list[int]: "a list of whole numbers, e.g. [100,200]",
               dict[str, Any]: "a mapping of names to values, e.g. optim.args.momentum=0.9"}
 
@@ -161,6 +162,9 @@ def _check_together(cfg: DictConfig) -> None:
     if parallel.strategy == "fsdp" and cfg.speed.precision == "fp16":
         raise UserError("parallel.strategy=fsdp does not take speed.precision=fp16 (its loss "
                         "scaler is not shard-aware): use speed.precision=bf16 or fp32")
+    if cfg.train.export == "ema" and not cfg.train.ema_decay:
+        raise UserError("train.export=ema needs averaged weights: set train.ema_decay (e.g. "
+                        "0.999), or train.export=last")
     if cfg.train.export == "best" and not cfg.train.keep_best:
         raise UserError("train.export=best needs the best checkpoint: set train.keep_best=true, "
                         "or train.export=last")
@@ -373,7 +377,7 @@ def default_yaml() -> str:
         lines.append(f"{section.name}:")
         for setting in fields(section.type):
             declared = setting.metadata[DECLARED]
-            doc = declared.doc + (f" One of: {', '.join(declared.choices)}."
+            doc = declared.doc + (f" One of: {declared.choices_in_words()}."
                                   if declared.choices else "")
             lines += wrap(doc, width=100, initial_indent="  # ", subsequent_indent="  # ")
             default = (setting.default_factory() if setting.default is MISSING

@@ -269,6 +269,10 @@ class DataModule:
         self.drop_last = self.splits.drop_last
         self._eval_loaders: dict[tuple, DataLoader] = {}
         self.streamed = isinstance(self.splits.train, IterableDataset)
+        # Windows drawn with replacement for train.max_steps steps: the data has no passes to
+        # count, so the run is one epoch and its log, summary and validations go by steps.
+        self.by_steps = bool(isinstance(self.splits.train, SampledStream)
+                             and cfg.train.max_steps)
         steps = self._stream_training() if self.streamed else self._map_training()
         # Optimizer steps per epoch, or fewer with train.limit_train_batches. A plain number:
         # the loop reads it every epoch.
@@ -298,9 +302,7 @@ class DataModule:
             raise UserError(f"data.dataset={self.cfg.data.dataset}: Splits.train_sampler orders "
                             "a map-style training split, and this one is streamed: leave it "
                             "out (the stream's order is set by ShardedStream.shuffle_window)")
-        if isinstance(self.splits.train, SampledStream) and self.cfg.train.max_steps:
-            # Drawn with replacement, the data has no passes to count: one epoch is the whole
-            # run, so validation, checkpoints and the log go by steps (the draws stay the same).
+        if self.by_steps:  # one epoch is the whole run (the draws stay the same)
             self.splits.train.cover(self.cfg.train.max_steps * self.cfg.train.global_batch_size)
         plan = TrainPlan(len(self.splits.train), self.cfg.train.global_batch_size,
                          self.train_env.world_size, self.train_env.rank, self.grad_accum_steps,

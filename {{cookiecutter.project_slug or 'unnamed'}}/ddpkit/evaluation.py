@@ -201,7 +201,8 @@ def evaluate_split(model: torch.nn.Module, loader: DataLoader, device: torch.dev
         inputs = speed.inputs(task.model_inputs(batch))
         with speed.autocast(device):
             predicted = call_model(model, inputs)
-        outputs.add(as_float64(predicted), batch)  # metrics in float64, whatever the autocast
+        # Metrics in float64, whatever the autocast (a task may convert its rows itself).
+        outputs.add(as_float64(predicted) if task.outputs_in_float64 else predicted, batch)
     if sharded and counts and len(loader) < max(counts):
         # An FSDP forward gathers weights from every rank: a rank whose shard has one batch
         # fewer runs its last batch once more, unrecorded, so that no rank waits in vain.
@@ -240,6 +241,8 @@ def run_folder_choice(run_dir: Path) -> tuple[Path, str]:
     model = run_dir / MODEL_FILE
     if summary.get("status") == "done" and exported.get("from") == "best" and model.is_file():
         return model, f"the best validation's weights, step {exported['step']}"
+    if summary.get("status") == "done" and exported.get("from") == "ema" and model.is_file():
+        return model, f"the averaged weights, step {exported['step']}"
     return run_dir, "the last weights"
 
 

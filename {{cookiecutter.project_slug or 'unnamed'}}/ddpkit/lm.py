@@ -32,6 +32,11 @@ from ddpkit.config import UserError
 LN2 = math.log(2.0)
 
 
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits (autocast) in float32 for the loss; float32 and float64 as they are."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 # --- the task -----------------------------------------------------------------------------------
 
 class NextTokenMixin:
@@ -43,6 +48,10 @@ class NextTokenMixin:
     metric_names = ("perplexity", "bits_per_token", "bits_per_character", "accuracy")
     higher_is_better = False
     row_width = 4  # per window: NLL (nats), correct predictions, tokens, characters
+    # The logits as they come: in float64 they would take 8 bytes x batch x time x vocabulary
+    # (3.3 GB for 8 windows of 1024 tokens over GPT-2's vocabulary); rows() goes window by
+    # window in float32 and sums in float64.
+    outputs_in_float64 = False
 
     def __init__(self, cfg: DictConfig, splits, eval_cfg: DictConfig | None = None):
         super().__init__(cfg, splits, eval_cfg)
@@ -70,7 +79,7 @@ class NextTokenMixin:
 
     def loss(self, outputs, batch) -> torch.Tensor:
         logits, targets = self.logits_and_targets(outputs, batch)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten())
 
     def train_scalars(self, outputs, batch) -> dict[str, torch.Tensor]:
         logits, targets = self.logits_and_targets(outputs, batch)
@@ -82,8 +91,8 @@ class NextTokenMixin:
 
     def rows(self, outputs, batch) -> torch.Tensor:
         logits, targets = self.logits_and_targets(outputs, batch)
-        nll = F.cross_entropy(logits.flatten(0, 1).double(), targets.flatten(),
-                              reduction="none").view_as(targets)
+        nll = torch.stack([F.cross_entropy(at_least_float32(window), target, reduction="none")
+                           for window, target in zip(logits, targets, strict=True)]).double()
         correct = (logits.argmax(-1) == targets).sum(1).double()
         tokens = torch.full_like(correct, targets.shape[1])
         characters = (self.characters.to(targets.device)[targets].sum(1)
@@ -231,6 +240,31 @@ def generate(model: nn.Module, tokens: torch.Tensor, new_tokens: int, context: i
             chosen = torch.multinomial(logits.softmax(-1), 1, generator=generator)
         tokens = torch.cat([tokens, chosen], dim=1)
     return tokens
+
+
+def pretrained_causal_lm(folder: str, input_shape: tuple, num_outputs: int,
+                         setting: str = "model.pretrained") -> nn.Module:
+    """A Hugging Face causal LM from a folder written by save_pretrained (nothing downloaded), for
+    a builder of yours: checked against the data before its weights load (the vocabulary, the
+    window), in float32 as the built-in models are (a model saved in bfloat16 loads in bfloat16;
+    speed.precision sets the passes' precision). `setting` names the folder's setting in errors."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not Path(folder, "config.json").is_file():
+        raise UserError(f"{setting}={folder!r} is not a folder written by save_pretrained (it "
+                        "has no config.json): set it to one")
+    config = AutoConfig.from_pretrained(folder)
+    if config.vocab_size < num_outputs:
+        raise UserError(f"{setting}={folder} knows {config.vocab_size} tokens, fewer than the "
+                        f"data's {num_outputs}: prepare the text with its tokenizer (python -m "
+                        "ddpkit.tokens ... --tokenizer)")
+    context = getattr(config, "max_position_embeddings", None) or input_shape[0]
+    if input_shape[0] > context:
+        raise UserError(f"data.block_size={input_shape[0]} is more than the {context} positions "
+                        f"of {setting}={folder}: lower data.block_size")
+    return AutoModelForCausalLM.from_pretrained(folder).float()
 
 
 def flops_per_token(model: TinyGPT, time: int) -> float:

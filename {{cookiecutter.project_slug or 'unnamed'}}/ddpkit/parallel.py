@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpkit.blocks import checkpoint_activations, compile_blocks
 from ddpkit.config import lookup
 from ddpkit.dist_utils import DistEnv
 from ddpkit.models import MODELS, check_keyword_inputs
@@ -157,6 +158,14 @@ def wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv, device: torch.de
     if cfg.model.sync_batchnorm and env.world_size > 1:
         model = convert_sync_batchnorm(model, device)
     model = model.to(device, memory_format=speed.memory_format)
+    if speed.float8:  # first: torchao swaps the layers that the wrappers below then hold
+        from ddpkit.extras.float8 import convert_to_float8
+
+        convert_to_float8(model)
+    if speed.activation_checkpointing:  # in place, before wrapping: the same names and units
+        checkpoint_activations(model, speed.activation_checkpointing)
+    if speed.compile == "blocks":  # in place too; the rest of the model stays eager
+        compile_blocks(model, None if speed.compile_mode == "default" else speed.compile_mode)
     if env.launched and cfg.parallel.strategy == "fsdp":
         model = shard_model(model, cfg, device, speed, env.world_size)
     elif env.launched:
@@ -168,7 +177,7 @@ def wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv, device: torch.de
             static_graph=cfg.ddp.static_graph,
             gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
         )
-    if speed.compile:
+    if speed.compile is True:
         model = _compiled(model, speed)
     return model
 
@@ -184,7 +193,7 @@ def for_evaluation(model: nn.Module, speed: Speed) -> nn.Module:
     parameters and buffers, and traces its own graphs for eval mode without gradients; build it
     once per run, as each compilation is paid once."""
     inner = unwrap(model)
-    return _compiled(inner, speed) if speed.compile else inner
+    return _compiled(inner, speed) if speed.compile is True else inner
 
 
 def settle_gradient_buckets(model: nn.Module, forward_backward: Callable[[], object]) -> None:

@@ -8,8 +8,9 @@ import logging
 from pathlib import Path
 
 from ddpkit import checkpoint, dist_utils, report, supervisor, writes
+from ddpkit.blocks import compile_seconds
 from ddpkit.checkpoint_files import MODEL_FILE
-from ddpkit.checkpoint_load import read_model
+from ddpkit.checkpoint_load import read_model, read_tensors
 from ddpkit.evaluation import run_folder_choice
 from ddpkit.parallel import ModelState
 from ddpkit.run_state import Run
@@ -21,7 +22,8 @@ def write_summary(run: Run, status: str) -> None:
     """<run>/summary.json (rank 0): how the run stands, and its task's headline validation
     metric, last and best (what report.py and sweep.py rank runs by)."""
     position = run.position
-    summary = {"status": status, "step": position.step, "epoch": position.epoch,
+    summary = {"status": status, "step": position.step,
+               **({} if run.data.by_steps else {"epoch": position.epoch}),
                "total_steps": run.total_steps, "world_size": run.env.world_size,
                "headline": run.task.headline, "higher_is_better": run.task.higher_is_better,
                "best_checkpoint": run.validation.best_checkpoint(run.run_dir),
@@ -57,6 +59,8 @@ def end_run(run: Run) -> None:
     with dist_utils.agree_on_errors():  # summary.json, curves.png, the trackers' files
         finish(run, "done")
     log.info(run.training_log.describe_throughput())
+    if run.speed.compile and (seconds := compile_seconds()) is not None:
+        log.info("torch.compile: %.1f s spent compiling (rank 0)", seconds)
     log.info("done: checkpoints in %s, the final model in %s, TensorBoard logs in %s",
              run.run_dir / "checkpoints", run.run_dir / MODEL_FILE, run.run_dir / "tb")
     if run.env.is_main:  # what evaluate.py takes for the run folder (it reads summary.json)
@@ -109,7 +113,8 @@ def save_and_export(run: Run) -> None:
 
 def export(run: Run) -> None:
     """The final model as one file (collective: with FSDP the shards are gathered): the last
-    weights, or with train.export=best the best validation's checkpoint, read from disk."""
+    weights, the averaged ones (train.export=ema) or the best validation's checkpoint
+    (train.export=best), read from disk."""
     best = run.validation.best_checkpoint(run.run_dir)
     if run.cfg.train.export == "best" and best is None:
         log.warning("train.export=best but no validation ran: model.pt holds the last weights")
@@ -117,11 +122,18 @@ def export(run: Run) -> None:
         run.exported = {"from": "best", "step": run.validation.best["step"]}
         with dist_utils.agree_on_errors():
             if run.env.is_main:
-                checkpoint.export_model(read_model(Path(best)), run.run_dir
-                                        / MODEL_FILE, run.exported["step"], run.cfg)
+                weights = read_model(Path(best))
+                if run.ema is not None:  # validation judged the averaged weights: those
+                    weights.update(read_tensors(Path(best), "ema"))
+                checkpoint.export_model(weights, run.run_dir / MODEL_FILE,
+                                        run.exported["step"], run.cfg)
         return
-    run.exported = {"from": "last", "step": run.position.step}
-    weights = ModelState(run.model, whole=True).state_dict()
+    averaged = run.cfg.train.export == "ema"
+    run.exported = {"from": "ema" if averaged else "last", "step": run.position.step}
+    with run.averaged_weights() if averaged else contextlib.nullcontext():
+        weights = ModelState(run.model, whole=True).state_dict()
+        if averaged:  # (on a CPU the dict may hold the parameters themselves: swapped back next)
+            weights = {name: tensor.clone() for name, tensor in weights.items()}
     with dist_utils.agree_on_errors():
         if run.env.is_main:
             checkpoint.export_model(weights, run.run_dir / MODEL_FILE,

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import logging
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -25,7 +26,13 @@ from ddpkit import (
     validation,
     writes,
 )
-from ddpkit.config import check_profile_steps, given_keys, inactive_settings, load_config
+from ddpkit.config import (
+    UserError,
+    check_profile_steps,
+    given_keys,
+    inactive_settings,
+    load_config,
+)
 from ddpkit.data import DataModule
 from ddpkit.parallel import build_model, wrap_model
 from ddpkit.position import Position
@@ -70,6 +77,9 @@ def start_run(argv: list[str]) -> Run:
                                 task.model_inputs(data.sample_batch()))
             speed = resolve_speed(cfg, device, input_shape)
             check_optim(cfg)
+            if cfg.guard.enabled and groups:
+                raise UserError("guard.enabled does not work with replica groups yet (each "
+                                "group's step is voted on): set guard.enabled=false")
             if tracking_on(cfg):
                 trackers().check_installed(cfg)
         resume_from, saved_config = resume_point(cfg, folder.path)
@@ -84,6 +94,7 @@ def start_run(argv: list[str]) -> Run:
     torch.manual_seed(cfg.run.seed + train_env.rank)
     run = assemble(cfg, env, device, data, task, speed, model, input_shape, folder.path,
                    resumed=resume_from is not None)
+    guard_and_average(run)  # before a resume: their state is in the checkpoint
     if resume_from:
         resume(run, folder, resume_from, saved_config)
     elif not folder.created:  # restarted before its first checkpoint: it logs from step 1 again
@@ -204,12 +215,31 @@ def assemble(cfg: DictConfig, env: dist_utils.DistEnv, device: torch.device, dat
     training_log = TrainingLog(run_dir, env, device, tracked, log_every=cfg.train.log_every)
     training_log.flops_per_sample = flops_per_sample
     training_log.tokens_per_sample = task.tokens_per_sample(data.sample_batch(2))
+    training_log.by_steps = data.by_steps
     training_log.peak_flops = run_peak_flops(cfg, device, speed)[0]
     return Run(cfg, env, device, data, task, speed, model, optimizer, scheduler,
                grad_scaler(speed, device), training_log, run_dir, Position(), total_steps,
                resumed=resumed, supervisor=supervisor.Supervisor(env, cfg.ddp.timeout_minutes),
                checkpointer=checkpoint.Checkpointer(run_dir, cfg, env), trackers=tracked,
                plateau=plateau, validation=validation.Validation(cfg, task))
+
+
+def guard_and_average(run: Run) -> None:
+    """guard.enabled: every step judged by the step guard before its update; train.ema_decay:
+    the averaged weights kept beside the model."""
+    if run.cfg.guard.enabled:
+        from ddpkit.step_guard import StepGuard
+
+        # Through a weak reference: a cycle (run -> guard -> run) would keep the DDP model and
+        # its process group alive until exits.end_cleanly's gc.collect, which must not free them.
+        runs = weakref.ref(run)
+        run.guard = StepGuard(run.cfg, lambda: runs().position.step, run.env.is_main)
+        run.train_step = run.guard.train_step
+        run.training_log.guard = run.guard
+    if run.cfg.train.ema_decay:
+        from ddpkit.ema import WeightAverage
+
+        run.ema = WeightAverage(run.model, run.cfg.train.ema_decay)
 
 
 def resume(run: Run, folder: RunDir, resume_from: Path, saved_config: dict | None) -> None:
@@ -225,18 +255,23 @@ def resume(run: Run, folder: RunDir, resume_from: Path, saved_config: dict | Non
     validation.restored(run)  # the best checkpoint kept again
     run.training_log.resume(run.position, truncate=run.position.step < run.total_steps)
     apply_changed_settings(run, saved_config)
-    log.info("resumed from %s: step %d, epoch %d, %d step(s) into it", resume_from,
-             run.position.step, run.position.epoch + 1, run.position.step_in_epoch)
+    if run.data.by_steps:
+        log.info("resumed from %s: step %d", resume_from, run.position.step)
+    else:
+        log.info("resumed from %s: step %d, epoch %d, %d step(s) into it", resume_from,
+                 run.position.step, run.position.epoch + 1, run.position.step_in_epoch)
 
 
 def describe_run(run: Run) -> None:
     """What runs where: the folder, the processes and devices, the batch, the FLOPs."""
     cfg, env, data = run.cfg, run.env, run.data
     log.info("run folder: %s | template release %s", run.run_dir, __version__)
-    log.info("%d process(es) on %s, backend %s, %s | %s task, %d outputs | %d steps per epoch, "
-             "%d steps", env.world_size, run.device, dist_utils.backend_name(),
-             describe_speed(run.speed), cfg.task.name or data.splits.task, run.task.num_outputs,
-             data.steps_per_epoch, run.total_steps)
+    length = (f"{run.total_steps} steps of windows drawn with replacement (no epochs)"
+              if data.by_steps else f"{data.steps_per_epoch} steps per epoch, "
+                                    f"{run.total_steps} steps")
+    log.info("%d process(es) on %s, backend %s, %s | %s task, %d outputs | %s", env.world_size,
+             run.device, dist_utils.backend_name(), describe_speed(run.speed),
+             cfg.task.name or data.splits.task, run.task.num_outputs, length)
     ranks = data.train_env.world_size  # with replica groups, every group's processes
     log.info("effective global batch %d = %d per micro-batch x %d process(es)%s x %d "
              "accumulation step(s)", data.micro_batch_size * ranks * data.grad_accum_steps,

@@ -62,6 +62,8 @@ class Run:
     replicas: object = None  # extras.replicas.groups.ReplicaGroups: one of torchft's replica groups
     # A step of the extras' own in place of train_step (replica groups: each update voted on)
     train_step: Callable | None = None
+    guard: object = None  # step_guard.StepGuard (guard.enabled): its train_step is the step
+    ema: object = None  # ema.WeightAverage (train.ema_decay): the averaged weights
 
     def __post_init__(self):
         # Named as the groups were built: a checkpoint of release 1.0.0 loads groups unnamed.
@@ -75,7 +77,12 @@ class Run:
         return {"model": ModelState(self.model), "optimizer": ModelState(self.model,
                 optimizer), "scheduler": self.scheduler, "scaler": self.scaler,
                 "train_log": self.training_log, "plateau": self.plateau,
-                "validation": self.validation}
+                "validation": self.validation, "guard": self.guard, "ema": self.ema}
+
+    def averaged_weights(self):
+        """With train.ema_decay, the averaged weights in the model for a block (validation, the
+        export); else nothing changes."""
+        return self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
 
     def model_for_evaluation(self) -> torch.nn.Module:
         """What validation and the smoke test's test batch run: the user's module, compiled when

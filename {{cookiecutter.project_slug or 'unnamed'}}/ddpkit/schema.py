@@ -9,83 +9,14 @@ No torch here: run.sh checks every command line with this schema before it start
 
 import difflib
 import functools
-import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from typing import Any
 
 from ddpkit import recipes
+from ddpkit.declare import DECLARED, Declared, increasing_steps, setting, whole_or_fraction
 from ddpkit.project import UserError
 
-DECLARED = "declared"  # the key of a field's metadata that holds its Declared
-
-
-@dataclass(frozen=True)
-class Declared:
-    """What a setting's field declares besides its type and default. A value outside it is
-    refused by config.py in one line: `key=value is not valid: <what problem() says>`."""
-
-    doc: str  # one or two sentences, shown in configs/default.yaml
-    choices: tuple = ()  # the only values it takes
-    known: tuple = ()  # the built-in values of an open choice (yours are looked up at run time)
-    above: float | None = None  # the range: above / at_least the low end, below / at_most the high
-    at_least: float | None = None
-    below: float | None = None
-    at_most: float | None = None
-    what: str = "it"  # the range's subject in its message: "a seed must be between ..."
-    why: str = ""  # the range's reason, in brackets after it
-    rule: Callable[[Any], str | None] | None = None  # a check of its own: the problem, or None
-    # Where it acts at all: (another key, the values it acts with); no values: any but 0 or false
-    acts_with: tuple = ()
-
-    def bounds(self) -> str:
-        """The range in words: '> 0', '>= 2', 'between 0 and 1', 'at least 0 and below 1'."""
-        low = ((">", "above", self.above) if self.above is not None else
-               (">=", "at least", self.at_least) if self.at_least is not None else None)
-        high = (("<", "below", self.below) if self.below is not None else
-                ("<=", "at most", self.at_most) if self.at_most is not None else None)
-        if low and high:
-            if low[0] == ">=" and high[0] == "<=":
-                return f"between {low[2]} and {high[2]}"
-            return f"{low[1]} {low[2]} and {high[1]} {high[2]}"
-        sign, _, end = low or high
-        return f"{sign} {end}"
-
-    def within(self, value) -> bool:
-        ends = ((self.above, operator.gt), (self.at_least, operator.ge),
-                (self.below, operator.lt), (self.at_most, operator.le))
-        return value is None or all(end is None or test(value, end) for end, test in ends)
-
-    def problem(self, value) -> str | None:
-        """What is wrong with `value`, as the end of a sentence; None when nothing is."""
-        if self.choices and value not in self.choices:
-            return f"choose one of {', '.join(str(choice) for choice in self.choices)}"
-        if not self.within(value):
-            return f"{self.what} must be {self.bounds()}" + (f" ({self.why})" if self.why else "")
-        return self.rule(value) if self.rule else None
-
-
-def setting(default, doc: str, **declared) -> Any:
-    """A setting's field: its default, its doc and what it takes (the keywords of Declared).
-    Your classes in settings.py may declare theirs so too, or as plain fields with a default."""
-    metadata = {DECLARED: Declared(doc, **declared)}
-    if isinstance(default, list | dict):  # a mutable default: each config gets its own copy
-        return field(default_factory=default.copy, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def whole_or_fraction(value: float) -> str | None:
-    if value >= 1 and value != int(value):
-        return "give a whole number of batches, a fraction below 1, or 0 for all of them"
-    return None
-
-
-def increasing_steps(value: list) -> str | None:
-    steps = list(value)
-    if any(step <= 0 for step in steps) or steps != sorted(set(steps)):
-        return "give increasing step numbers above 0, e.g. optim.milestones=[1000,2000]"
-    return None
-
+__all__ = ["DECLARED", "Declared", "setting"]  # (declare.py's, for settings.py and config.py)
 
 SEED = {"at_least": 0, "at_most": 2**32 - 1, "what": "a seed"}  # the seeds numpy takes
 # The built-in schedules (ddpkit/schedules.py); optim.schedule may also name one of yours.
@@ -278,7 +209,11 @@ class TrainConfig:
                                           "an improvement.", at_least=0,
                                           acts_with=("train.early_stop_patience",))
     export: str = setting("last", "The weights model.pt is written from at the end: the last "
-                          "step's, or the best checkpoint's.", choices=("last", "best"))
+                          "step's, the best checkpoint's, or the averaged ones (ema).",
+                          choices=("last", "best", "ema"))
+    ema_decay: float = setting(0.0, "Keep an average of the weights, each step moving 1 - this "
+                               "of the way to them (e.g. 0.999); validation scores it. 0: off.",
+                               at_least=0, below=1)
 
 
 WITH_PROFILER = ("profile.enabled", True)  # the profile settings act only with the profiler on
@@ -375,11 +310,19 @@ class SpeedConfig:
     channels_last: bool | None = setting(None, "The NHWC memory layout for 4-D inputs and "
                                          "convolution weights; null: on for image batches on "
                                          "CUDA.")
-    compile: bool = setting(False, "torch.compile the model: faster steps after a slower first "
-                            "one.")
+    compile: bool | str = setting(False, "torch.compile: true the whole model (faster steps after "
+                                  "a slow first one), blocks each repeated block and the rest "
+                                  "eager (a far shorter compile).",
+                                  choices=(False, True, "blocks"))
     compile_mode: str = setting("default", "torch.compile's mode.",
                                 choices=("default", "reduce-overhead", "max-autotune"),
-                                acts_with=("speed.compile", True))
+                                acts_with=("speed.compile",))
+    float8: bool = setting(False, "Linear layers in float8 through torchao (the float8 extra): "
+                           "GPUs with float8 tensor cores only (L4, RTX 40xx, H100 ...).")
+    activation_checkpointing: int = setting(0, "Recompute blocks' activations in the backward "
+                                            "instead of keeping them: 0 off, 1 every repeated "
+                                            "block, k every k-th (ddpkit/blocks.py).",
+                                            at_least=0)
     fused_adamw: bool | None = setting(None, "optim.name=adamw or adam: update all parameters in "
                                        "one kernel, where torch has one for their device; null: "
                                        "on.")
@@ -408,6 +351,22 @@ class EvalConfig:
 
 
 @dataclass
+class GuardConfig:
+    """The step guard: a bad step skipped instead of ending the run (ddpkit/step_guard.py)."""
+
+    enabled: bool = setting(False, "Skip a step whose loss or gradient norm is not finite (or a "
+                            "loss spike): no update, the schedule kept; costs a device read a "
+                            "step.")
+    spike_factor: float = setting(0.0, "Also skip a step whose loss is above this many times "
+                                  "the median of the last guard.window steps; 0: off.",
+                                  at_least=0, acts_with=("guard.enabled", True))
+    window: int = setting(100, "The updated steps whose median loss spike_factor compares with.",
+                          above=0, acts_with=("guard.enabled", True))
+    max_skips: int = setting(5, "This many skipped steps in a row end the run, naming them.",
+                             above=0, acts_with=("guard.enabled", True))
+
+
+@dataclass
 class Config:
     """Every section of the template (schema() adds your settings.py to three of them)."""
 
@@ -422,6 +381,7 @@ class Config:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 

@@ -25,9 +25,11 @@ class Speed:
 
     autocast_dtype: torch.dtype | None  # None: plain float32
     channels_last: bool
-    compile: bool
+    compile: bool | str  # True: the whole model; "blocks": each repeated block (blocks.py)
     compile_mode: str
     fused_adamw: bool  # Adam / AdamW in one kernel where PyTorch has it (ddpkit/optimizers.py)
+    activation_checkpointing: int = 0  # every k-th repeated block recomputed (ddpkit/blocks.py)
+    float8: bool = False  # linear layers in float8 through torchao (extras/float8.py)
 
     def autocast(self, device: torch.device):
         """Mixed precision for forward and loss (backward follows the forward's dtypes)."""
@@ -77,7 +79,18 @@ def resolve_speed(cfg: DictConfig, device: torch.device, input_shape: tuple | di
         compile_mode=cfg.speed.compile_mode,
         fused_adamw=(device.type in FUSED_ADAMW_DEVICES if cfg.speed.fused_adamw is None
                      else cfg.speed.fused_adamw),
+        activation_checkpointing=cfg.speed.activation_checkpointing,
+        float8=checked_float8(cfg, device),
     )
+
+
+def checked_float8(cfg: DictConfig, device: torch.device) -> bool:
+    """speed.float8, refused in one line where it cannot run."""
+    if cfg.speed.float8:
+        from ddpkit.extras.float8 import check_float8
+
+        check_float8(device)
+    return cfg.speed.float8
 
 
 def set_tf32(enabled: bool) -> None:
@@ -110,5 +123,12 @@ def describe_speed(speed: Speed) -> str:
     if speed.channels_last:
         parts.append("channels_last")
     if speed.compile:
-        parts.append(f"torch.compile ({speed.compile_mode})")
+        scope = " of each block" if speed.compile == "blocks" else ""
+        parts.append(f"torch.compile{scope} ({speed.compile_mode})")
+    if speed.float8:
+        parts.append("float8 linear layers (torchao)")
+    every = speed.activation_checkpointing
+    if every:
+        parts.append("activation checkpointing of " + ("every block" if every == 1
+                                                        else f"1 block in {every}"))
     return ", ".join(parts)

@@ -63,6 +63,7 @@ class Task:
     target_key = "target"  # what to read from a batch that is a dict
     needs_reference = False  # metrics of a test split use the val split's (e.g. a threshold)
     row_width = 2  # float64 numbers evaluation keeps per sample
+    outputs_in_float64 = True  # evaluation hands loss() and rows() the outputs in float64
 
     def __init__(self, cfg: DictConfig, splits: Splits, eval_cfg: DictConfig | None = None):
         self.cfg, self.splits = cfg, splits

@@ -12,7 +12,8 @@ next one starts, before a checkpoint, or at the end of the epoch:
                        lr the first group's), samples_per_s (training steps only; none for a
                        process's first window, which includes start-up), grad_norm, time
     metrics.jsonl      one line per epoch: train_<name> over the whole epoch, val_<metric>,
-                       train_seconds, val_seconds, epoch_seconds
+                       train_seconds, val_seconds, epoch_seconds (a run by steps, by_steps:
+                       no epoch, its last line's train_<name> over the whole run)
     tb/                TensorBoard: train/<name> (train/lr/<group> too), val/<metric>
     trackers           MLflow / W&B when the config turns them on (extras/trackers.py): the same
                        values, plus epoch/<name> for the rest of an epoch's record
@@ -188,6 +189,8 @@ class TrainingLog:
         self.flops_per_sample: float | None = None  # model FLOPs of a training sample (flops.py)
         self.peak_flops: float | None = None  # one device's peak FLOP/s, where known
         self.tokens_per_sample: int | None = None  # a language model's window: tokens/s too
+        self.by_steps = False  # a run counted in steps only (DataModule.by_steps): no epochs
+        self.guard = None  # step_guard.StepGuard: each window counts the steps it skipped
         self._writer: Writer | None = None
 
     # -- during the step: no work on the device ---------------------------------------------------
@@ -273,10 +276,16 @@ class TrainingLog:
                                      and compiled == self.compiled)
             if self.grad_norm is not None:
                 record["grad_norm"] = self.grad_norm
+            if self.guard is not None:
+                record["skipped_steps"] = self.guard.skipped_in_window
+                self.guard.skipped_in_window = 0
             if self.replica_groups:  # the fewest groups in a step of the window, and the most
                 record["replica_groups_min"] = min(self.replica_groups)
                 record["replica_groups_max"] = max(self.replica_groups)
                 self.replica_groups = []
+            if self.device.type == "cuda":  # this rank's peak since the last window: no sync
+                record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                torch.cuda.reset_peak_memory_stats(self.device)
             handle = dist_utils.all_reduce_sum_async(sums)
             self.in_flight.append((handle, sums, list(self.names), record))
         while len(self.in_flight) > 1:
@@ -296,12 +305,14 @@ class TrainingLog:
             self.epoch_sums[name] = self.epoch_sums.get(name, 0.0) + total
         self.epoch_sums["samples"] = self.epoch_sums.get("samples", 0.0) + samples
         seconds = record.pop("seconds")
-        record.update({name: total / samples for name, total in zip(names, totals, strict=True)})
-        if seconds is not None:
+        if samples:  # (none when the step guard skipped every step of the window)
+            record.update({name: total / samples for name, total in zip(names, totals,
+                                                                        strict=True)})
+        if seconds is not None and samples:
             record.update(self._rates(samples, seconds))
         if "grad_norm" in record:
             record["grad_norm"] = record["grad_norm"].item()  # the same on every rank
-        if not math.isfinite(record["loss"]):  # the same all-reduced value on every rank
+        if not math.isfinite(record.get("loss", 0.0)):  # the same all-reduced value everywhere
             raise UserError(
                 f"training diverged: the loss is {record['loss']} at step {record['step']}; lower "
                 "optim.lr, set optim.grad_clip (e.g. 1.0) or use speed.precision=bf16 or fp32")
@@ -379,17 +390,19 @@ class TrainingLog:
         end = self.now()
         self.write_pending()
         samples = self.epoch_sums.get("samples", 0.0)
-        record = {"epoch": epoch, "step": step}
+        record = self._where(epoch, step)
         if samples:
             record.update({f"train_{name}": total / samples
                            for name, total in self.epoch_sums.items() if name != "samples"})
         record.update({f"val_{name}": value for name, value in val.items()})
         record.update({"train_seconds": self.validation_start - self.epoch_start,
-                       "val_seconds": end - self.validation_start,
-                       "epoch_seconds": end - self.epoch_start})
+                       "val_seconds": end - self.validation_start})
+        if not self.by_steps:
+            record["epoch_seconds"] = end - self.epoch_start
         if self.env.is_main:  # TensorBoard: the validation metrics (train/ has the windows)
             scalars = {f"val/{name}": value for name, value in val.items()}
-            rest = {f"epoch/{name}": value for name, value in record.items()
+            part = "run" if self.by_steps else "epoch"
+            rest = {f"{part}/{name}": value for name, value in record.items()
                     if name != "step" and not name.startswith("val_")}
             self.writer().write("metrics.jsonl", record, scalars, step, {**scalars, **rest})
         return record
@@ -397,13 +410,17 @@ class TrainingLog:
     def validation_record(self, epoch: int, step: int, val: dict) -> dict:
         """A step-cadence validation's record (train.val_every_steps), written as end_epoch's
         is, marked mid_epoch: the validation metrics and their time."""
-        record = {"epoch": epoch, "step": step, "mid_epoch": True}
+        record = {**self._where(epoch, step), **({} if self.by_steps else {"mid_epoch": True})}
         record.update({f"val_{name}": value for name, value in val.items()})
         record["val_seconds"] = self.now() - self.validation_start
         if self.env.is_main:
             scalars = {f"val/{name}": value for name, value in val.items()}
             self.writer().write("metrics.jsonl", record, scalars, step)
         return record
+
+    def _where(self, epoch: int, step: int) -> dict:
+        """Where a record was made: its step, and its epoch unless the run goes by steps."""
+        return {"step": step} if self.by_steps else {"epoch": epoch, "step": step}
 
     # -- resume and output ------------------------------------------------------------------------
 
@@ -425,8 +442,10 @@ class TrainingLog:
         self.purge_step = position.step + 1
         if truncate and self.env.is_main:
             _keep_records(self.run_dir / "train_log.jsonl", lambda r: r["step"] <= position.step)
-            _keep_records(self.run_dir / "metrics.jsonl", lambda r: r["epoch"] <= position.epoch
-                          or (r.get("mid_epoch", False) and r["step"] <= position.step))
+            # A validation inside an epoch (or in a run by steps) is kept by its step.
+            _keep_records(self.run_dir / "metrics.jsonl",
+                          lambda r: r.get("epoch", 0) <= position.epoch
+                          or (r.get("mid_epoch", "epoch" not in r) and r["step"] <= position.step))
 
     def writer(self) -> Writer:
         """Rank 0's writer, started at the first record (not before step 1)."""

@@ -119,12 +119,13 @@ def validate(run, mid_epoch: bool = False) -> dict | None:
     if mid_epoch:  # the window so far is training time; the validation is not
         run.training_log.end_training(position.step)
     generators = rng_state()
-    val = evaluate_split(run.model_for_evaluation(),
-                         run.data.eval_loader("val", run.cfg.train.limit_val_batches),
-                         run.device, run.task, run.speed, run.cfg.eval.binned_thresholds,
-                         detail=False, supervisor=run.supervisor)
-    if val is not None:  # train.estimate_windows: sampled losses beside it
-        val = estimates.with_estimates(run, val)
+    with run.averaged_weights():  # train.ema_decay: they are what is validated
+        val = evaluate_split(run.model_for_evaluation(),
+                             run.data.eval_loader("val", run.cfg.train.limit_val_batches),
+                             run.device, run.task, run.speed, run.cfg.eval.binned_thresholds,
+                             detail=False, supervisor=run.supervisor)
+        if val is not None:  # train.estimate_windows: sampled losses beside it
+            val = estimates.with_estimates(run, val)
     set_rng_state(generators)  # training's random streams, as if it had not run
     validation.interrupted_at = (position.step if mid_epoch else -1) if val is None else -1
     if val is None:
@@ -136,9 +137,12 @@ def validate(run, mid_epoch: bool = False) -> dict | None:
     else:
         record = run.training_log.end_epoch(position.epoch + 1, position.step, scalars(val))
     run.validated(record)  # a plateau schedule steps on the headline metric
-    where = f"epoch {position.epoch + 1:3d}/{run.cfg.train.epochs}"
-    log.info("%s  step %5d  %s", f"{where} (mid)" if mid_epoch else where, position.step,
-             "  ".join(f"{name} {value:.4f}" for name, value in record.items()
+    if run.data.by_steps:
+        where = f"step {position.step:5d}/{run.total_steps}"
+    else:
+        where = f"epoch {position.epoch + 1:3d}/{run.cfg.train.epochs}{' (mid)' * mid_epoch}  " \
+                f"step {position.step:5d}"
+    log.info("%s  %s", where, "  ".join(f"{name} {value:.4f}" for name, value in record.items()
                        if isinstance(value, float)))
     return record
 

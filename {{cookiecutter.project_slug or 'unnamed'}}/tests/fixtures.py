@@ -266,6 +266,31 @@ def mlp(cfg, input_shape, num_outputs: int) -> nn.Module:
                cfg.dropout, cfg.batchnorm)
 
 
+class PoisonedMLP(nn.Module):
+    """MLP whose outputs go bad at chosen training steps, for the step guard's tests: POISON
+    ("8:spike,12:nan") maps a forward pass in training (counted from 1, the count a buffer, so
+    that a checkpoint keeps it) to its outputs times -50 (confidently wrong) or times nan."""
+
+    def __init__(self, mlp: nn.Module, poison: str):
+        super().__init__()
+        self.mlp = mlp
+        self.poison = {int(step): how for step, how in
+                       (part.split(":") for part in poison.split(",") if part)}
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
+
+    def forward(self, inputs):
+        outputs = self.mlp(inputs)
+        if not self.training:
+            return outputs
+        self.forwards += 1
+        how = self.poison.get(int(self.forwards))
+        return outputs * {"spike": -50.0, "nan": math.nan}[how] if how else outputs
+
+
+def poisoned_mlp(cfg, input_shape, num_outputs: int) -> nn.Module:
+    return PoisonedMLP(mlp(cfg, input_shape, num_outputs), os.environ.get("POISON", ""))
+
+
 def two_groups(model: nn.Module, cfg) -> list[dict]:
     """Parameter groups of a user's own (optim.param_groups): the first layer at half the
     learning rate and without weight decay, the rest on the optim settings."""

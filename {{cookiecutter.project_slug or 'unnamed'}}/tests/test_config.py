@@ -5,6 +5,7 @@ import inspect
 import shutil
 import subprocess
 import sys
+import types
 from dataclasses import fields
 
 import pytest
@@ -54,7 +55,8 @@ def test_what_the_declarations_name_exists():
         assert declared.problem(OmegaConf.select(defaults, key)) is None, key
         if declared.acts_with:
             other, *values = declared.acts_with
-            assert other in declarations() and isinstance(schema_type(other), type), key
+            assert other in declarations() and isinstance(schema_type(other),
+                                                          type | types.UnionType), key
             choices = declarations()[other].choices or declarations()[other].known
             assert all(value in choices for value in values) if choices else True, key
 

@@ -7,8 +7,11 @@ text with sample.py."""
 import itertools
 import json
 import pickle
+import re
+import shutil
 import sys
 import tracemalloc
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,12 +20,14 @@ import torch
 
 from conftest import only_run_dir, run
 from ddpkit import flops
+from ddpkit.checkpoint_files import MODEL_FILE, list_checkpoints
 from ddpkit.collate import stacking_collate
 from ddpkit.config import UserError, load_config
 from ddpkit.data import DataModule
 from ddpkit.dist_utils import DistEnv
 from ddpkit.estimates import estimate_loader, estimate_streams
-from ddpkit.lm import build_gpt, flops_per_token, generate
+from ddpkit.lm import build_gpt, flops_per_token, generate, pretrained_causal_lm
+from ddpkit.parallel import fsdp_blocks
 from ddpkit.run_state import train_step
 from ddpkit.splits import Splits
 from ddpkit.streams import DataError, RankStream, TrainPlan
@@ -62,15 +67,20 @@ def test_prepare_writes_character_tokens_that_decode_to_the_text(tmp_path):
     assert meta["tokens"]["test"] == pytest.approx(0.2 * len(TEXT), abs=1)
 
 
-def test_prepare_with_a_saved_tokenizer_and_bits_per_character(tmp_path):
+def word_tokenizer(folder: Path):
+    """A word-level tokenizer of TEXT, saved in `folder` as a Hugging Face tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     words = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     words.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(
-        tmp_path / "tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(folder)
+    return words
+
+
+def test_prepare_with_a_saved_tokenizer_and_bits_per_character(tmp_path):
+    words = word_tokenizer(tmp_path / "tokenizer")
     (tmp_path / "a.txt").write_text(TEXT)
     meta = prepare([tmp_path / "a.txt"], tmp_path / "tokens", str(tmp_path / "tokenizer"))
     assert meta["vocab_size"] == words.get_vocab_size() and meta["dtype"] == "uint16"
@@ -224,6 +234,14 @@ def test_next_token_task_takes_logits_pairs_and_hugging_face_outputs():
     accuracy = (logits.argmax(-1) == targets).double().mean().item()
     assert metrics["accuracy"] == pytest.approx(accuracy, rel=1e-12)
     assert task.summary_metrics(task.summarize(rows, 0), 0) == task.metrics(rows)
+    # Evaluation hands it the logits as they are (no float64 copy of batch x time x vocab):
+    # float32 and bfloat16 logits score in float32, each window's sum kept in float64.
+    assert not task.outputs_in_float64
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        rounded = task.rows(logits.to(dtype), batch)
+        assert rounded.dtype == torch.float64
+        assert rounded.numpy() == pytest.approx(rows.numpy(), rel=tolerance)
+        assert task.loss(logits.to(dtype), batch).dtype == torch.float32
     with pytest.raises(UserError, match=r"needs the logits of every position, \[batch, time, "
                        r"vocab\] = \[3, 4, 5\], and the model returned \[3, 1, 5\]"):
         task.loss(logits[:, -1:], batch)
@@ -233,6 +251,7 @@ def test_gpt_counts_six_flops_a_parameter_and_attention_per_token():
     cfg = load_config(["model.name=gpt", "model.hidden_dim=64", "model.num_layers=2"]).model
     model = build_gpt(cfg, (32,), 50)
     assert model.head.weight is model.token_embedding.weight
+    assert fsdp_blocks(model) == list(model.blocks)  # FSDP2 shards block by block
     batch = torch.randint(0, 50, (2, 32))
 
     def loss(network, tokens_):
@@ -266,8 +285,9 @@ def test_generation_is_seeded_and_greedy_at_temperature_0():
 
 def test_a_pretrained_hugging_face_model_trains_and_writes_without_a_wrapper(tmp_path):
     """A causal LM saved in a folder (nothing downloaded), loaded as a builder in model.py
-    would load it: its output object is scored as it is, it learns, and it continues text."""
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+    loads it (pretrained_causal_lm, which refuses a folder that does not fit the data): its
+    output object is scored as it is, it learns, and it continues text."""
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=13, n_positions=16, n_embd=16, n_layer=1, n_head=2,
@@ -279,7 +299,16 @@ def test_a_pretrained_hugging_face_model_trains_and_writes_without_a_wrapper(tmp
                        "train.global_batch_size=8"])
     data = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
     task = build_task(cfg, data.splits)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained")
+    model = pretrained_causal_lm(str(tmp_path / "pretrained"), (16,), 13)
+    assert isinstance(model, GPT2LMHeadModel)
+    refusals = {(str(tmp_path), (16,), 13): "is not a folder written by save_pretrained",
+                (str(tmp_path / "pretrained"), (16,), 14): "knows 13 tokens, fewer than the "
+                                                           "data's 14",
+                (str(tmp_path / "pretrained"), (17,), 13): "data.block_size=17 is more than "
+                                                           "the 16 positions"}
+    for arguments, refusal in refusals.items():
+        with pytest.raises(UserError, match=refusal):
+            pretrained_causal_lm(*arguments)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.03)
     steps = itertools.chain.from_iterable(data.train_steps(epoch) for epoch in range(2))
     losses = [train_step(model, optimizer, next(steps), task, torch.device("cpu"))[0]["loss"]
@@ -290,36 +319,61 @@ def test_a_pretrained_hugging_face_model_trains_and_writes_without_a_wrapper(tmp
     assert continued.tolist() == [[3, 4, 5, 6, 7, 8, 9, 10]]  # it learned to count mod 13
 
 
-# --- a real run ----------------------------------------------------------------------------------
+# --- real runs ----------------------------------------------------------------------------------
+
+# The built-in GPT on the project's own text, a checkpoint every 10 steps, validation with
+# sampled estimates at the end. No dropout: its masks differ at another process count.
+LM_RUN = ["data.dataset=tokens", "data.block_size=64", "model.name=gpt", "model.hidden_dim=64",
+          "model.num_layers=2", "model.dropout=0", "train.global_batch_size=12",
+          "train.max_steps=30", "train.log_every=5", "train.ckpt_every=10",
+          "train.keep_checkpoints=0", "optim.lr=0.003", "optim.warmup_steps=5",
+          "train.progress_bar=false", "train.plot_curves=false", "train.limit_val_batches=4",
+          "train.estimate_windows=32"]
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained_lm(tmp_path_factory) -> tuple[Path, list[str], str]:
+    """Token files prepared from the project's docs, and a 2-process run of 30 steps on them:
+    (the run folder, its settings, its output)."""
+    root = tmp_path_factory.mktemp("lm")
+    prepared = run([sys.executable, "-m", "ddpkit.tokens", "docs", "README.md", "--out",
+                    str(root / "tokens")])
+    assert prepared.returncode == 0, prepared.stdout
+    assert prepared.stdout.startswith(f"wrote {root / 'tokens'}: ")
+    settings = [*LM_RUN, f"data.root={root / 'tokens'}"]
+    result = run(["./run.sh", *settings, f"run.output_dir={root / 'runs'}"], NPROC_PER_NODE="2")
+    assert result.returncode == 0, result.stdout
+    return only_run_dir(root / "runs"), settings, result.stdout
+
 
 @pytest.mark.slow
-def test_two_processes_train_the_gpt_which_evaluates_exactly_and_writes_text(tmp_path):
-    prepared = run([sys.executable, "-m", "ddpkit.tokens", "docs", "README.md", "--out",
-                    str(tmp_path / "tokens")])
-    assert prepared.returncode == 0, prepared.stdout
-    assert prepared.stdout.startswith(f"wrote {tmp_path / 'tokens'}: ")
-    common = ["data.dataset=tokens", f"data.root={tmp_path / 'tokens'}", "data.block_size=64",
-              "model.name=gpt", "model.hidden_dim=64", "model.num_layers=2"]
-    result = run(["./run.sh", *common, "train.global_batch_size=16", "train.max_steps=30",
-                  "train.log_every=10", "optim.lr=0.003", "optim.warmup_steps=5",
-                  "train.progress_bar=false", "train.plot_curves=false",
-                  "train.limit_val_batches=4", "train.estimate_windows=32",
-              f"run.output_dir={tmp_path / 'runs'}"],
-                 NPROC_PER_NODE="2")
-    assert result.returncode == 0, result.stdout
-    assert "next_token task" in result.stdout and "MFLOP per token" in result.stdout
-    run_dir = only_run_dir(tmp_path / "runs")
-    windows = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
-    assert [w["step"] for w in windows] == [1, 10, 20, 30]
+def test_two_processes_train_the_gpt_by_steps_with_estimates_and_tokens_per_s(trained_lm):
+    run_dir, _, output = trained_lm
+    assert "next_token task" in output and "MFLOP per token" in output
+    assert "30 steps of windows drawn with replacement (no epochs)" in output
+    assert "step    30/30  train_loss" in output and output.count("epoch") == 1  # no epochs
+    windows = records(run_dir / "train_log.jsonl")
+    assert [w["step"] for w in windows] == [1, 5, 10, 15, 20, 25, 30]
     assert windows[-1]["loss"] < min(windows[1]["loss"], windows[0]["loss"] - 0.8)  # it learns
-    (validation,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    (validation,) = records(run_dir / "metrics.jsonl")
+    assert "epoch" not in validation and "epoch_seconds" not in validation
     assert validation["val_sampled_val_loss"] < windows[0]["loss"]  # estimates beside the loss
     assert validation["val_sampled_train_loss"] < windows[0]["loss"]
+    assert "epoch" not in json.loads((run_dir / "summary.json").read_text())
     rates = [w for w in windows if "samples_per_s" in w]
     assert rates and all(w["tokens_per_s"] == pytest.approx(64 * w["samples_per_s"])
                          for w in rates)
+
+
+@pytest.mark.slow
+def test_the_gpt_evaluates_exactly_at_1_2_and_3_processes(trained_lm, tmp_path):
+    run_dir = trained_lm[0]
     evaluated = {}
-    for nproc in (1, 2):
+    for nproc in (1, 2, 3):
         out = tmp_path / f"eval{nproc}"
         command = ["./run.sh", "evaluate.py", f"eval.checkpoint={run_dir}",
                    f"eval.output_dir={out}", "eval.batch_size=7"]
@@ -327,13 +381,19 @@ def test_two_processes_train_the_gpt_which_evaluates_exactly_and_writes_text(tmp
                    NPROC_PER_NODE=str(nproc))
         assert done.returncode == 0, done.stdout
         evaluated[nproc] = json.loads((out / "metrics.json").read_text())
-    one, two = evaluated[1], evaluated[2]
-    assert one["num_samples"] == two["num_samples"] > 100
-    for name in ("loss", "perplexity", "bits_per_token", "bits_per_character", "accuracy"):
-        # (2 processes against 1: float32 forward passes over other batches round apart)
-        assert two[name] == pytest.approx(one[name], rel=1e-6), name
-    assert one["bits_per_character"] == one["bits_per_token"]  # one token per character
-    # Text from the trained model: the prompt continued, one character a token, seeded.
+    one = evaluated[1]
+    assert one["num_samples"] > 100 and one["bits_per_character"] == one["bits_per_token"]
+    for nproc in (2, 3):
+        assert evaluated[nproc]["num_samples"] == one["num_samples"]
+        for name in ("loss", "perplexity", "bits_per_token", "bits_per_character", "accuracy"):
+            # (float32 forward passes over other batches round apart)
+            assert evaluated[nproc][name] == pytest.approx(one[name], rel=1e-6), (nproc, name)
+
+
+@pytest.mark.slow
+def test_sample_py_writes_text_from_the_trained_model(trained_lm, tmp_path):
+    run_dir = trained_lm[0]
+    # The prompt continued, one character a token, seeded.
     sampled = run([sys.executable, "sample.py", str(run_dir / "model.pt"), "--prompt", "The ",
                    "--tokens", "50", "--seed", "3", "--top-k", "10"])
     assert sampled.returncode == 0, sampled.stdout
@@ -344,3 +404,135 @@ def test_two_processes_train_the_gpt_which_evaluates_exactly_and_writes_text(tmp
     assert (nothing.returncode, nothing.stdout) == (
         2, f"error: no checkpoint in {tmp_path / 'empty' / 'checkpoints'}: expected "
            f"{tmp_path / 'empty' / 'checkpoints'}/step-<N>/\n")
+
+
+@pytest.mark.slow
+def test_a_killed_lm_run_resumes_bitwise(trained_lm, tmp_path):
+    """SIGKILL to a worker past step 12; torchrun restarts the workers, which resume from the
+    newest checkpoint (step 10, or 20 on a slow machine) and end with the uninterrupted run's
+    weights, bit for bit."""
+    from test_checkpoints import assert_bitwise_equal, final_weights
+    from test_faults import finish, kill_worker, launch, logged_steps, wait_for
+
+    uninterrupted, settings, _ = trained_lm
+    launcher = launch([*settings, "train.log_every=1", f"run.output_dir={tmp_path}"])
+    wait_for(lambda: logged_steps(tmp_path) >= 12, launcher, "step 12")
+    kill_worker(launcher, 1)
+    output = finish(launcher)
+    assert launcher.returncode == 0, output
+    assert output.count("resumed from") == 1, output
+    assert re.search(r"resumed from \S+: step (10|20)\n", output), output
+    run_dir = only_run_dir(tmp_path)
+    assert_bitwise_equal(final_weights(run_dir), final_weights(uninterrupted))
+    assert [r["step"] for r in records(run_dir / "train_log.jsonl")] == list(range(1, 31))
+
+
+@pytest.mark.slow
+def test_resumed_at_3_processes_under_fsdp_the_gpt_trains_on_the_same_windows(trained_lm,
+                                                                             tmp_path):
+    """The DDP run resumed from its checkpoint of step 10 at 3 processes, its blocks sharded by
+    FSDP2 (the checkpoint resharded by DCP): the same global batches (each rank draws its share
+    of each step's windows), so the same losses as at 2 processes, but for the order in which a
+    gradient's sum adds its terms."""
+    uninterrupted, settings, _ = trained_lm
+    copy = tmp_path / "run"
+    shutil.copytree(uninterrupted, copy)
+    for later in list_checkpoints(copy / "checkpoints")[1:]:
+        shutil.rmtree(later)
+    (copy / MODEL_FILE).unlink()
+    resumed = run(["./run.sh", *settings, "parallel.strategy=fsdp", f"run.dir={copy}"],
+                  NPROC_PER_NODE="3")
+    assert resumed.returncode == 0, resumed.stdout
+    assert "world 2 -> 3 at step 10" in resumed.stdout
+    assert "parallel.strategy ddp -> fsdp" in resumed.stdout
+    at_2, at_3 = ({r["step"]: r["loss"] for r in records(folder / "train_log.jsonl")}
+                  for folder in (uninterrupted, copy))
+    assert at_3.keys() == at_2.keys() == {1, 5, 10, 15, 20, 25, 30}
+    # Steps 11 to 15 (from the same weights): the same windows give the same mean loss; other
+    # windows would differ in the third digit, as the next window's does.
+    assert at_3[15] == pytest.approx(at_2[15], rel=1e-5)
+    assert abs(at_2[20] - at_2[15]) > 1e-3
+    # Later, Adam's steps grow the sums' rounding apart (by about 0.2% at step 30).
+    assert [at_3[step] for step in (20, 25, 30)] == pytest.approx(
+        [at_2[step] for step in (20, 25, 30)], rel=0.01)
+
+
+@pytest.mark.slow
+def test_check_equivalence_passes_for_the_gpt(trained_lm, tmp_path):
+    """2 processes train the built-in GPT like one process: losses and final weights agree."""
+    root = next(s for s in trained_lm[1] if s.startswith("data.root="))
+    checked = run([sys.executable, "check_equivalence.py", "--workdir", str(tmp_path),
+                   "data.dataset=tokens", root, "data.block_size=32", "model.name=gpt",
+                   "model.hidden_dim=64", "model.num_layers=2", "optim.lr=0.001",
+                   "optim.warmup_steps=10"])
+    assert checked.returncode == 0, checked.stdout
+    assert "PASS: 2 process(es) x 1 accumulation step(s) train like 1 process (losses within " \
+           "1e-05 relative for 15 steps)" in checked.stdout
+
+
+@pytest.mark.slow
+def test_sample_py_continues_a_prompt_with_a_hugging_face_model_folder(tmp_path):
+    """A causal LM and its tokenizer saved in one folder (nothing downloaded): sample.py writes
+    the continuation the model's own greedy choice gives; a folder without a tokenizer is one
+    line."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "hf"
+    words = word_tokenizer(folder)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=words.get_vocab_size(), n_positions=32,
+                                       n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+                                       eos_token_id=0)).eval()
+    model.save_pretrained(folder)
+    prompt = AutoTokenizer.from_pretrained(folder)("the quick brown", add_special_tokens=False)
+    greedy = generate(model, torch.tensor([prompt["input_ids"]]), 6, 32, temperature=0)
+    expected = AutoTokenizer.from_pretrained(folder).decode(greedy[0].tolist())
+    sampled = run([sys.executable, "sample.py", str(folder), "--prompt", "the quick brown",
+                   "--tokens", "6", "--temperature", "0"])
+    assert sampled.returncode == 0, sampled.stdout
+    assert sampled.stdout.splitlines()[-2:] == [expected, "-" * 40]  # (after transformers' bars)
+    assert expected.startswith("the quick brown ") and len(expected.split()) == 3 + 6
+    (folder / "tokenizer_config.json").unlink()
+    untokenized = run([sys.executable, "sample.py", str(folder)])
+    assert (untokenized.returncode, untokenized.stdout) == (
+        2, f"error: {folder} holds a model but no tokenizer: save the model's tokenizer to the "
+           "same folder (tokenizer.save_pretrained)\n")
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_trains_the_same_weights_under_ddp_and_fsdp(trained_lm,
+                                                                             tmp_path):
+    """speed.activation_checkpointing: the run of 2 processes under DDP with every block
+    recomputed ends with the weights of the run without it, bit for bit; under FSDP2, 1 block
+    in 2 recomputed, with those of FSDP2 without it."""
+    from test_checkpoints import assert_bitwise_equal, final_weights
+
+    plain, settings, _ = trained_lm
+    runs, outputs = {}, {}
+    for name, extra in {"ddp-checkpointed": ["speed.activation_checkpointing=1"],
+                        "fsdp": ["parallel.strategy=fsdp"],
+                        "fsdp-checkpointed": ["parallel.strategy=fsdp",
+                                              "speed.activation_checkpointing=2"]}.items():
+        result = run(["./run.sh", *settings, *extra, f"run.output_dir={tmp_path / name}"],
+                     NPROC_PER_NODE="2")
+        assert result.returncode == 0, result.stdout
+        runs[name], outputs[name] = only_run_dir(tmp_path / name), result.stdout
+    assert "activation checkpointing of every block" in outputs["ddp-checkpointed"]
+    assert "activation checkpointing of 1 block in 2" in outputs["fsdp-checkpointed"]
+    assert_bitwise_equal(final_weights(runs["ddp-checkpointed"]), final_weights(plain))
+    assert_bitwise_equal(final_weights(runs["fsdp-checkpointed"]), final_weights(runs["fsdp"]))
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_to_the_same_losses(trained_lm, tmp_path):
+    """speed.compile=blocks: each block's forward compiled (one graph for both), the rest eager;
+    the losses those of the eager run but for the compiled kernels' rounding."""
+    eager, settings, _ = trained_lm
+    result = run(["./run.sh", *settings, "speed.compile=blocks",
+                  f"run.output_dir={tmp_path}"], NPROC_PER_NODE="2", timeout=600)
+    assert result.returncode == 0, result.stdout
+    assert "precision fp32, torch.compile of each block (default) |" in result.stdout
+    assert re.search(r"torch.compile: [\d.]+ s spent compiling \(rank 0\)", result.stdout)
+    compiled = {r["step"]: r["loss"] for r in records(only_run_dir(tmp_path) / "train_log.jsonl")}
+    assert compiled == pytest.approx(
+        {r["step"]: r["loss"] for r in records(eager / "train_log.jsonl")}, rel=1e-4)

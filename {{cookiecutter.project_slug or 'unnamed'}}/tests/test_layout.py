@@ -127,7 +127,7 @@ def test_an_import_the_template_moved_is_one_line_naming_the_new_one(tmp_path):
         "updates)"], result.stdout
 
 
-OPTIONAL = ("torchft", "optuna", "mlflow", "wandb", "transformers", "datasets")  # extras' packages
+OPTIONAL = ("torchft", "optuna", "mlflow", "wandb", "transformers", "datasets", "torchao")
 
 
 def test_a_default_run_imports_no_optional_feature():

@@ -88,10 +88,12 @@ class OptunaSearch:
             value = record.get(self.key) if self.key else None
             if value is None or job["pruning"]:
                 continue
-            job["trial"].report(value, step=record["epoch"])
+            # Reported at its epoch; a run by steps (token windows) has none: at its step.
+            at = ("epoch", record["epoch"]) if "epoch" in record else ("step", record["step"])
+            job["trial"].report(value, step=at[1])
             if job["trial"].should_prune():
                 job["pruning"] = True
-                print(f"{trial_id(number)} pruned at epoch {record['epoch']} ({self.key} "
+                print(f"{trial_id(number)} pruned at {at[0]} {at[1]} ({self.key} "
                       f"{value:.4g})", flush=True)
                 process.send_signal(signal.SIGTERM)
 
