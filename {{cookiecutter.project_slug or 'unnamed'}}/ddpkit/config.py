@@ -39,6 +39,7 @@ DEFAULT_CONFIG_FILE = PROJECT_DIR / "configs" / "default.yaml"
 TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string",
               bool | None: "true, false or null (null: chosen automatically)",
               bool | str: "true, false or a name",
+              int | str: "a whole number or a name (auto)",
               list[int]: "a list of whole numbers, e.g. [100,200]",
               dict[str, Any]: "a mapping of names to values, e.g. optim.args.momentum=0.9"}
 
@@ -232,6 +233,8 @@ def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
     """The micro-batches of an optimizer step at this world size: train.grad_accum_steps, or,
     with train.micro_batch_size, what the global batch needs at that many samples a pass."""
     micro = cfg.train.micro_batch_size
+    if micro == "auto":  # each rank's whole share a pass until ddpkit/micro_batch.py has tried
+        return 1
     return cfg.train.global_batch_size // (world_size * micro) if micro else (
         cfg.train.grad_accum_steps)
 
@@ -245,6 +248,8 @@ def check_batch_divides(cfg: DictConfig, world_size: int, where: str = "") -> No
         raise UserError(f"train.micro_batch_size={micro} and train.grad_accum_steps={accum} "
                         "both set the accumulation: leave train.grad_accum_steps at 1 (it "
                         "follows from the micro-batch)")
+    if micro == "auto":  # the tries keep to divisors of each rank's share
+        micro = 0
     if micro:
         parts = world_size * micro
         split = (f"into micro-batches of train.micro_batch_size={micro} on the {world_size} "

@@ -273,12 +273,21 @@ class DataModule:
         # count, so the run is one epoch and its log, summary and validations go by steps.
         self.by_steps = bool(isinstance(self.splits.train, SampledStream)
                              and cfg.train.max_steps)
+        self._training_loader()
+
+    def _training_loader(self) -> None:
         steps = self._stream_training() if self.streamed else self._map_training()
         # Optimizer steps per epoch, or fewer with train.limit_train_batches. A plain number:
         # the loop reads it every epoch.
-        self.steps_per_epoch = limited(cfg.train.limit_train_batches, steps)
+        self.steps_per_epoch = limited(self.cfg.train.limit_train_batches, steps)
         if self.streamed:
             self.train_stream.plan.limit = self.steps_per_epoch
+
+    def use_micro_batch(self, size: int) -> None:
+        """Train in micro-batches of `size` samples (a divisor of this rank's share of the
+        global batch): the accumulation steps make up the rest (train.micro_batch_size=auto)."""
+        self.micro_batch_size, self.grad_accum_steps = size, self.batch_size_per_rank // size
+        self._training_loader()
 
     def _map_training(self) -> int:
         """The training loader of a map-style split; returns the steps of an epoch (a last,

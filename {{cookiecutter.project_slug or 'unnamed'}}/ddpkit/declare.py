@@ -78,6 +78,12 @@ def whole_or_fraction(value: float) -> str | None:
     return None
 
 
+def micro_batch_rule(value) -> str | None:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return None
+    return "give a number of samples (0: from the global batch) or auto"
+
+
 def increasing_steps(value: list) -> str | None:
     steps = list(value)
     if any(step <= 0 for step in steps) or steps != sorted(set(steps)):

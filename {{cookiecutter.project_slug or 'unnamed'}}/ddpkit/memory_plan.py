@@ -289,8 +289,11 @@ def plan(cfg: DictConfig, world_size: int) -> tuple[str, dict[str, Footprint], l
     if cfg.parallel.cpu_offload:
         notes.append("fsdp: parallel.cpu_offload=true keeps the parameters, gradients and "
                      "optimizer state in CPU memory")
-    traced_as = (f"micro-batch of {data.micro_batch_size} sample(s) x {data.grad_accum_steps} "
-                 f"accumulation step(s), {describe_speed(speed)}, on {device.type}")
+    auto = " (train.micro_batch_size=auto: the largest it tries)" if (
+        cfg.train.micro_batch_size == "auto") else ""
+    traced_as = (f"micro-batch of {data.micro_batch_size} sample(s){auto} x "
+                 f"{data.grad_accum_steps} accumulation step(s), {describe_speed(speed)}, on "
+                 f"{device.type}")
     return traced_as, footprints(traced, cfg, world_size, gathered_size), notes
 
 

@@ -20,6 +20,7 @@ from ddpkit import (
     dist_utils,
     flops,
     lifecycle,
+    micro_batch,
     optimizers,
     run_folder,
     supervisor,
@@ -66,6 +67,7 @@ def start_run(argv: list[str]) -> Run:
     train_env = training_env(env, groups)
     try:
         with dist_utils.agree_on_errors():  # bad input stops every rank together, reported once
+            memory = micro_batch.memory_for(cfg, device)  # micro_batch_size=auto: GPUs only
             torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP syncs too)
             data = DataModule(cfg, env, device, train_env)
             task = build_task(cfg, data.splits)
@@ -99,6 +101,8 @@ def start_run(argv: list[str]) -> Run:
         resume(run, folder, resume_from, saved_config)
     elif not folder.created:  # restarted before its first checkpoint: it logs from step 1 again
         run.training_log.resume(run.position, truncate=True)
+    if memory:  # the model, its optimizer state and averages in place: the tries see them
+        fit_micro_batch(run, folder, memory)
     if ft:  # the live replica groups: this one's gradients averaged with theirs, healed by them
         ft.join(run, resumed=bool(resume_from) or not folder.created)
     with dist_utils.agree_on_errors():  # a full disk is one line, not a traceback on rank 0
@@ -240,6 +244,16 @@ def guard_and_average(run: Run) -> None:
         from ddpkit.ema import WeightAverage
 
         run.ema = WeightAverage(run.model, run.cfg.train.ema_decay)
+
+
+def fit_micro_batch(run: Run, folder: RunDir, memory) -> None:
+    """train.micro_batch_size=auto: the largest micro-batch that fits every GPU, or one line."""
+    try:
+        with dist_utils.agree_on_errors():
+            micro_batch.choose_micro_batch(run, memory)
+    except BaseException:
+        folder.discard_if_unused()
+        raise
 
 
 def resume(run: Run, folder: RunDir, resume_from: Path, saved_config: dict | None) -> None:

@@ -13,7 +13,14 @@ from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from typing import Any
 
 from ddpkit import recipes
-from ddpkit.declare import DECLARED, Declared, increasing_steps, setting, whole_or_fraction
+from ddpkit.declare import (
+    DECLARED,
+    Declared,
+    increasing_steps,
+    micro_batch_rule,
+    setting,
+    whole_or_fraction,
+)
 from ddpkit.project import UserError
 
 __all__ = ["DECLARED", "Declared", "setting"]  # (declare.py's, for settings.py and config.py)
@@ -155,11 +162,13 @@ class TrainConfig:
                                      "processes: each rank takes 1 / world size of it.", above=0)
     grad_accum_steps: int = setting(1, "Micro-batches per optimizer step: each rank's share of "
                                     "the batch is split into this many forward passes.", above=0)
-    micro_batch_size: int = setting(0, "Samples per process in one forward pass; 0: the global "
-                                    "batch / (processes x grad_accum_steps). When it is set, the "
-                                    "accumulation steps follow from it at each world size, so an "
-                                    "elastic job that shrinks keeps each process's memory and "
-                                    "the global batch.", at_least=0)
+    micro_batch_size: int | str = setting(0, "Samples per process in one forward pass; 0: the "
+                                          "global batch / (processes x grad_accum_steps). When "
+                                          "it is set, the accumulation steps follow from it at "
+                                          "each world size, so an elastic job that shrinks keeps "
+                                          "each process's memory and the global batch. auto (on "
+                                          "GPUs): the largest that fits, found by trying at the "
+                                          "start.", rule=micro_batch_rule)
     max_steps: int = setting(0, "Stop after this many optimizer steps; 0 runs all the epochs.",
                              at_least=0)
     log_every: int = setting(50, "Steps between two logged training lines (their scalars are "
