@@ -39,8 +39,14 @@ character tokens) against a nanoGPT-style loop of the same model, data, optimize
 per step after their first logging window and compared by the mean training loss of each
 logging window at the same steps.
 
-Per run: the median time (the first epoch left out; lm: its steps after the first logging
-window), the final training loss (lm: of the last logging window), and for every
+`switches`: lm's template side (40 steps) against itself, `off` (the recipe as is) against each
+switch of issue 46 alone (SWITCHES: speed.activation_checkpointing=1, speed.compile=blocks,
+train.ema_decay=0.999, guard.enabled=true); seconds per step after the first logging window, on
+/ off. Compiling falls in the first step (results.md: its seconds; any run that compiled later).
+`tiny-switches`: `ema` and `guard` on the digits MLP (no repeated blocks), timed as tiny.
+
+Per run: the median time (the first epoch left out; lm, switches: their steps after the first
+logging window), the final training loss (lm: of the last logging window), and for every
 workload, recorded the same way for every contender by bench/peak.py (each training process is
 its child; bench/probe/sitecustomize.py hooks the first optimizer step without touching the
 contenders' code): the time from launch (this script starting the launcher) to the end of the
@@ -60,6 +66,7 @@ import math
 import operator
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -134,6 +141,14 @@ def lm_workload(steps: int = 60, warmup: int = 6, log_every: int = 10, batch: in
 
 
 WORKLOADS["lm"] = lm_workload()
+SWITCHES = {"activation_checkpointing": ["speed.activation_checkpointing=1"],
+            "compile_blocks": ["speed.compile=blocks"], "ema": ["train.ema_decay=0.999"],
+            "guard": ["guard.enabled=true"]}
+WORKLOADS["switches"] = {**{k: v for k, v in lm_workload(steps=40).items() if "script" not in k},
+                         "base": "off", "contenders": {"off": [], **SWITCHES}}  # lm's template
+WORKLOADS["tiny-switches"] = {**WORKLOADS["tiny"], "key": "seconds_per_epoch", "base": "off",
+                              "contenders": {"off": [], "ema": SWITCHES["ema"],
+                                             "guard": SWITCHES["guard"]}}
 
 
 def bake(where: Path) -> Path:
@@ -176,8 +191,7 @@ def run_measured(command: list[str], cwd: Path, log: Path,
     records = json_lines(probe) if probe.exists() else []
     first = [r["first_step"] for r in records if "first_step" in r]
     peaks = [r["peak_rss_mib"] for r in records if "peak_rss_mib" in r]
-    return (launched, max(first, default=float("nan")), max(peaks, default=float("nan")),
-            status)
+    return launched, max(first, default=math.nan), max(peaks, default=math.nan), status
 
 
 def complete(epochs: list, workload: dict, status: int, log: Path) -> None:
@@ -190,11 +204,7 @@ def complete(epochs: list, workload: dict, status: int, log: Path) -> None:
 
 
 def json_lines(path: Path) -> list[dict]:
-    records = []
-    for line in path.read_text().splitlines():
-        if line.startswith("{"):
-            records.append(json.loads(line))
-    return records
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
 
 def summarise(epoch_seconds: list[float], step_seconds: list[float], first_step: float,
@@ -238,6 +248,12 @@ def run_template(project: Path, workload: dict, scratch: Path, tag: str, seed: i
         step_seconds = [steady_seconds_per_step(records, workload)]
         more["window_losses"] = {str(r["step"]): r["loss"] for r in records}
         loss = records[-1]["loss"]
+        # switches: rank 0's seconds compiling, and its windows after the first step that
+        # compiled (left out of its throughput headline, as the start-up window is)
+        found = re.search(r"torch\.compile: ([\d.]+) s spent compiling", log.read_text())
+        more["compile_seconds"] = float(found[1]) if found else 0.0
+        summary = json.loads((run_dir / "summary.json").read_text())
+        more["compiled_after_step_1"] = summary["throughput"].get("windows_left_out", 1) - 1
     # A run by steps (lm: windows drawn for train.max_steps) has no epoch_seconds.
     seconds = [e.get("epoch_seconds", e["train_seconds"] + e["val_seconds"]) for e in epochs]
     return summarise(seconds, step_seconds, first_step, launched, rss, loss, status, **more)
@@ -298,22 +314,21 @@ def have_lightning() -> bool:
 
 
 def measure_key(workload: dict) -> str:
-    if "key" in workload:
-        return workload["key"]
-    return "seconds_per_step" if workload.get("matched") else "seconds_per_epoch"
+    return workload.get("key", "seconds_per_step" if workload.get("matched") else
+                        "seconds_per_epoch")
 
 
 UNITS = {"seconds_per_step": ("{:.4f} ms / step", 1000),
          "seconds_per_epoch": ("{:.4f} s / epoch", 1),
          "samples_per_second": ("{:.0f} samples / s", 1)}
 NUMBERS = ("seconds_per_epoch", "seconds_per_step", "samples_per_second", "time_to_first_step",
-           "peak_rss_mib", "final_loss")
+           "peak_rss_mib", "final_loss", "compile_seconds")
 
 
 def table(results: dict, ratios: dict) -> str:
     """One row per contender: each number is the median over rounds, each comparison with the
-    base (hand-written; stream: map-style) the median of the per-round ones, (lowest to
-    highest)."""
+    base (hand-written; stream: map-style; switches: off) the median of the per-round ones,
+    (lowest to highest)."""
     lines = [("| workload | contender | measure (median) | measure vs the base: per-round ratio, "
               "median (spread) | launch to first step (s) | vs the base: per-round difference "
               "(s), median (spread) | peak RSS per training process (MiB) | vs the base: "
@@ -367,7 +382,8 @@ def run_rounds(name: str, todo: dict, pairs: int) -> dict:
                     break
                 except RunFailed as failed:
                     if attempt == TRIES:
-                        raise SystemExit(f"error: {contender} failed {TRIES} times: {failed}") from None
+                        raise SystemExit(f"error: {contender} failed {TRIES} times: "
+                                         f"{failed}") from None
                     print(f"  {failed}: running it again", flush=True)
             result["attempts"] = attempt
             if round_index:
@@ -376,7 +392,8 @@ def run_rounds(name: str, todo: dict, pairs: int) -> dict:
 
 
 def irregular_runs(runs: dict) -> list[str]:
-    """The measured runs that were retried or ended with an error after their last epoch."""
+    """The measured runs that were retried, ended with an error after their last epoch, or
+    compiled after their first step (in their time per step if after the first window)."""
     notes = []
     for workload, by_contender in runs.items():
         for contender, measured in by_contender.items():
@@ -385,7 +402,16 @@ def irregular_runs(runs: dict) -> list[str]:
                     notes.append(f"{workload} round {index} {contender}: attempt "
                                  f"{run['attempts']}, exit status {run['exit_status']} (every "
                                  "epoch recorded)")
+                if run.get("compiled_after_step_1"):
+                    notes.append(f"{workload} round {index} {contender}: compiled in "
+                                 f"{run['compiled_after_step_1']} window(s) after step 1")
     return notes
+
+
+def compile_lines(results: dict) -> list[str]:
+    return [f"{workload} {name}: {r['compile_seconds']:.1f} s spent compiling" for workload,
+            by_contender in results.items() for name, r in by_contender.items()
+            if r.get("compile_seconds")]
 
 
 def loss_lines(runs: dict) -> list[str]:
@@ -448,13 +474,13 @@ def main(argv: list[str]) -> int:
                "python": platform.python_version(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d")}
     markdown = table(results, ratios)
-    losses = loss_lines(runs)
-    if losses:
-        markdown += "\n\nLoss at matched steps (each round its own seed):\n" + "\n".join(
-            f"- {line}" for line in losses)
-    notes = irregular_runs(runs)
-    if notes:
-        markdown += "\n\nRetried or failed at teardown:\n" + "\n".join(f"- {n}" for n in notes)
+    for heading, lines in (("Loss at matched steps (each round its own seed)", loss_lines(runs)),
+                           ("Compiling (rank 0, median; in the first step: not in the time per "
+                            "step)", compile_lines(results)),
+                           ("Retried, failed at teardown or compiled after step 1",
+                            irregular_runs(runs))):
+        if lines:
+            markdown += f"\n\n{heading}:\n" + "\n".join(f"- {line}" for line in lines)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
         {"machine": machine, "pairs": args.pairs,

@@ -5,7 +5,8 @@
 #   bash bench/gpu.sh                 # uses .venv if present, else python3 from PATH
 #   PYTHON=/path/to/python bash bench/gpu.sh --samples 50000 --batch 1024 --epochs 4
 # Needs torch (CUDA build) and cookiecutter in that Python. Prints images/s and writes
-# bench/results/gpu.md and gpu.json.
+# bench/results/gpu.md and gpu.json. Issue 46's switches on a GPU (memory, time per step,
+# compile time): python bench/gpu_switches.py (its docstring says what it runs).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-}"

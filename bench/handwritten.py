@@ -9,7 +9,8 @@ Same model, data sizes, per-rank batch, optimizer and epochs as the baked projec
 validates on rank 0 only. Started without torchrun it is one plain process (no DDP); with
 --matched it does the work the template does each step (whole batches read by indexing, fused
 AdamW, the running training loss and accuracy summed on the device), written inline, so that a
-comparison measures the template's machinery alone. Rank 0 prints one JSON line per event for bench.py:
+comparison measures the template's machinery alone. Rank 0 prints one JSON line per event for
+bench.py:
 {"first_step": unix time}, {"epoch": n, "seconds": s, "train_seconds": t, "steps": k, ...}.
 
 --workload gpt is nanoGPT's loop instead (train_gpt): the model and corpus of bench/gpt.py,

@@ -141,7 +141,8 @@ def main(argv: list[str]) -> int:
                      f"{spread(row['step_time_ratio'])} |")
     hold_title = (f"Checkpoint of the whole state (FSDP, {args.hold_procs} processes, "
                   f"{len(held)} rounds): seconds the ranks are held per save, slowest rank.")
-    lines += [] if not hold else ["", hold_title, "", "| save | held (median, lowest-highest) | on disk after |",
+    lines += [] if not hold else ["", hold_title, "",
+                                  "| save | held (median, lowest-highest) | on disk after |",
               "|" + " --- |" * 3,
               f"| synchronous | {spread(hold['sync_held'])} | the same |",
               f"| asynchronous | {spread(hold['async_held'])} | {spread(hold['async_total'])} |",

@@ -22,10 +22,11 @@ import statistics
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from ddpkit import checkpoint, dist_utils
 from ddpkit.run_setup import start_run
 from ddpkit.run_state import Run, train_step
-from omegaconf import OmegaConf
 
 
 def slowest(seconds: float) -> float:
