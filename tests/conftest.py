@@ -2,9 +2,15 @@
 
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+
+import pytest
 
 TEMPLATE = Path(__file__).resolve().parents[1]
 UNRENDERED = re.compile(r"\{\{|\{%|\{#")
@@ -65,3 +71,64 @@ def apply_edit(project: Path, action: str, body: str) -> None:
         path.write_text("".join(lines[:at + 1]) + body + "".join(lines[at + 1:]))
     else:
         raise AssertionError(f"unknown recipe action {action!r}")
+
+
+BAKED_SUITE = "tests/test_baked_project.py::test_baked_project_suite_and_lint"
+SUITE_LIMIT = 1800  # seconds from its start: a hang fails the test instead of the CI run
+
+
+class BakedSuite:
+    """The baked project's own test suite, started as soon as the session has collected its test
+    and run in the background. Its two xdist workers leave a core idle much of the time (a
+    multi-process test waits on its processes starting up); the template's other tests, run
+    meanwhile, use it. Its test, ordered last, waits for it."""
+
+    def __init__(self, markers: str):
+        self.root = Path(tempfile.mkdtemp(prefix="baked-suite-"))
+        bake = run([sys.executable, "-m", "cookiecutter", "--no-input", "-o", self.root / "bake",
+                    TEMPLATE], cwd=self.root, timeout=120)
+        assert bake.returncode == 0, bake.stdout
+        self.project = self.root / "bake" / "my_ddp_experiment"
+        self.log = self.root / "suite.log"
+        self.started = time.monotonic()
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+                 "--dist", "loadfile", "-rs", "--durations=20",
+                 *(["-m", markers] if markers else [])],
+                cwd=self.project, env=command_env(), stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+
+    def result(self) -> tuple[int, str]:
+        """Its exit status and output, once it has ended (TimeoutExpired past SUITE_LIMIT)."""
+        self.process.wait(timeout=max(1.0, self.started + SUITE_LIMIT - time.monotonic()))
+        return self.process.returncode, self.log.read_text()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:  # the session ended early: its processes go too
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+SUITE = pytest.StashKey[BakedSuite]()
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.nodeid == BAKED_SUITE)  # last: it waits for the suite
+
+
+def pytest_collection_finish(session):
+    if not session.config.option.collectonly and any(
+            item.nodeid == BAKED_SUITE for item in session.items):
+        session.config.stash[SUITE] = BakedSuite(session.config.getoption("markexpr"))
+
+
+def pytest_unconfigure(config):
+    if SUITE in config.stash:
+        config.stash[SUITE].stop()
+
+
+@pytest.fixture
+def baked_suite(request) -> BakedSuite:
+    return request.config.stash[SUITE]
