@@ -98,6 +98,8 @@ def predicted_over(size: int, tried: dict[int, float], limit: float) -> bool:
     return high + (high - low) / (large - small) * (size - large) > limit
 
 
+# (accelerate's find_executable_batch_size halves on one process's OOM alone: here the ranks
+# must agree, sizes must divide the share, and FSDP2 must not run out of memory mid-collective.)
 def largest_fitting(sizes: list[int], peak_of: Callable[[int], float], limit: float,
                     predict: bool = False) -> tuple[int | None, dict[int, float], set[int]]:
     """The largest of `sizes` (ascending) whose peak_of(size) is within `limit` (inf: out of
