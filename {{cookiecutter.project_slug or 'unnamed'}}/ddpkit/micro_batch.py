@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from ddpkit import dist_utils
 from ddpkit.parallel import unwrap
 from ddpkit.project import UserError
+from ddpkit.run_state import forward_backward
 
 log = logging.getLogger("ddp")
 
@@ -147,8 +148,6 @@ def choose_micro_batch(run, memory: GpuMemory) -> None:
 
 def try_size(run, model: torch.nn.Module, memory: GpuMemory, size: int) -> float:
     """The peak of forward and backward of `size` samples on this rank; inf: out of memory."""
-    from ddpkit.run_state import forward_backward
-
     batch = run.data.sample_batch(size)
     try:
         with memory.measure() as measured:
@@ -166,7 +165,7 @@ def optimizer_reserve(run, fsdp: bool) -> int:
     resumed run), as ddpkit/memory_plan.py plans them."""
     if run.optimizer.state:
         return 0
-    from ddpkit.memory_plan import plan
+    from ddpkit.memory_plan import plan  # here: only auto needs the plan (and its fake tensors)
 
     return plan(run.cfg, run.env.world_size)[1]["fsdp" if fsdp else "ddp"].optimizer or 0
 
