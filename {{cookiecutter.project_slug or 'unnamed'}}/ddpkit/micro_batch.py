@@ -13,8 +13,9 @@ fails the size for all), so all of them choose the same size.
 Before the optimizer's first step its state does not exist: the tries hold its planned bytes
 (ddpkit/memory_plan.py) aside. Under DDP the tries run the module inside the wrapper, so no
 gradient is all-reduced and a process that runs out of memory leaves no other waiting in a
-collective. FSDP2 gathers weights inside forward and backward, so there a size is not tried when
-the line through the last two that fitted puts it above the limit. The tries leave no trace:
+collective. FSDP2 gathers weights inside forward and backward (and SyncBatchNorm all-reduces in
+forward), so there a size is not tried when the line through the last two that fitted puts it
+above the limit. The tries leave no trace:
 random state forked, buffers (BatchNorm's running statistics) put back, gradients dropped.
 """
 
@@ -124,7 +125,9 @@ def choose_micro_batch(run, memory: GpuMemory) -> None:
     """Try micro-batch sizes on every rank, train with the largest that fits on all of them and
     say what was tried. Raises UserError when not even one sample a pass fits."""
     fsdp = run.cfg.parallel.strategy == "fsdp" and run.env.launched
-    model = run.model if fsdp else unwrap(run.model)  # DDP's module: no all-reduce in a try
+    model = unwrap(run.model)  # DDP's module (no all-reduce in a try), uncompiled; FSDP2's own
+    # FSDP2's gathers and SyncBatchNorm's all-reduce run inside a try: no size predicted over
+    collectives = fsdp or (run.cfg.model.sync_batchnorm and run.env.world_size > 1)
     limit = min(dist_utils.gather_objects(HEADROOM * memory.usable()))
 
     def peak_of(size: int) -> float:
@@ -132,7 +135,7 @@ def choose_micro_batch(run, memory: GpuMemory) -> None:
 
     with holding(optimizer_reserve(run, fsdp), run.device), untouched(model, run.device):
         size, tried, predicted = largest_fitting(divisors(run.data.batch_size_per_rank),
-                                                 peak_of, limit, predict=fsdp)
+                                                 peak_of, limit, predict=collectives)
     tries = ", ".join(f"{tried_size}: {in_words(peak, tried_size in predicted)}"
                       for tried_size, peak in tried.items())
     peaks = f"peaks {tries}; limit {in_words(limit)}, {HEADROOM:.0%} of what the GPU could give"
@@ -173,7 +176,12 @@ def optimizer_reserve(run, fsdp: bool) -> int:
 @contextlib.contextmanager
 def holding(size: int, device: torch.device):
     """`size` bytes taken on `device` while the block runs (never written)."""
-    held = torch.empty(size, dtype=torch.uint8, device=device) if size else None
+    try:
+        held = torch.empty(size, dtype=torch.uint8, device=device) if size else None
+    except torch.OutOfMemoryError:
+        raise UserError(f"train.micro_batch_size=auto: the optimizer's state alone ("
+                        f"{in_words(size)}) does not fit this GPU: shard it "
+                        "(parallel.strategy=fsdp)") from None
     try:
         yield
     finally:
