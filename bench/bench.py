@@ -178,8 +178,9 @@ def run_measured(command: list[str], cwd: Path, log: Path,
     resident memory (MiB) of its largest training process, and its exit status. A failed run's
     log is kept in the temp folder (the bench's own goes at its end)."""
     probe = log.with_suffix(".probe.jsonl")
+    # TMPDIR: the scratch folder, removed at the end, takes what torchrun leaves (its log folder)
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
-           "PYTHONUNBUFFERED": "1", "BENCH_PROBE_FILE": str(probe)}
+           "PYTHONUNBUFFERED": "1", "BENCH_PROBE_FILE": str(probe), "TMPDIR": str(log.parent)}
     with open(log, "w") as out:
         launched = time.time()
         status = subprocess.call(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
