@@ -13,6 +13,7 @@ from conftest import run
 
 
 def test_baked_project_suite_and_lint(baked_suite):
+    assert baked_suite.bake_error is None, baked_suite.bake_error
     lint = run([sys.executable, "-m", "ruff", "check", "--no-cache", "."],
                cwd=baked_suite.project, timeout=120)
     assert lint.returncode == 0, lint.stdout
