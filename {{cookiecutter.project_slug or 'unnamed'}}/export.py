@@ -5,6 +5,7 @@
     python export.py runs/<run> --best                            # its best validation's
     python export.py runs/<run> --format safetensors              # model.safetensors
     python export.py runs/<run> --format hf                       # hf-model/: save_pretrained
+    python export.py runs/<run> --format hf data.root=/scratch/moved  # the run's data moved
 
 One process, no GPU and no process group needed: the checkpoint's shards (saved by any number of
 processes, DDP or FSDP) are read into whole tensors. The source may also be a model.pt.
@@ -19,7 +20,8 @@ loads with torch.load(weights_only=True):
 --format safetensors writes model.safetensors (the safetensors extra); --format hf writes a
 Hugging Face model's save_pretrained folder, with the data's tokenizer (the transformers
 extra). Both build the model from the checkpoint's config, as evaluate.py does: they need your
-recipe files and the run's data (docs/checkpoints.md, "Exports").
+recipe files and the run's data (docs/checkpoints.md, "Exports"); `data.*` overrides say where
+the data is now, as they do for evaluate.py.
 """
 
 import argparse
@@ -36,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import ddpkit
 from ddpkit import checkpoint, checkpoint_files, checkpoint_load, lifecycle, recipes, report
-from ddpkit.config import UserError, config_from_dict
+from ddpkit.config import UserError, config_from_dict, given_keys, load_config
 from ddpkit.data import DataModule
 from ddpkit.dist_utils import DistEnv
 from ddpkit.parallel import build_model
@@ -56,6 +58,20 @@ class Arguments(argparse.ArgumentParser):
         raise UserError(f"{message} ({' '.join(self.format_usage().split())})")
 
 
+def data_overrides(argv: list[str]) -> tuple[list[str], dict]:
+    """The command line without its key=value words, and what those set: data.* only, checked
+    against the settings' types as a training command line is."""
+    overrides = [word for word in argv if "=" in word and not word.startswith("-")]
+    keys = given_keys(overrides)
+    for key in keys:
+        if not key.startswith("data."):
+            raise UserError(f"{key}: export.py takes data.* settings only (where the run's data "
+                            "is now); the model and the task come from the checkpoint")
+    given = load_config(overrides)
+    return ([word for word in argv if word not in overrides],
+            {key: OmegaConf.select(given, key) for key in keys})
+
+
 def arguments(argv: list[str]) -> argparse.Namespace:
     parser = Arguments(prog="python export.py", description=__doc__.split("\n")[0])
     parser.add_argument("source", help="a run folder (its newest intact checkpoint), a "
@@ -73,6 +89,7 @@ def arguments(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> None:
+    argv, overrides = data_overrides(argv)
     args = arguments(argv)
     if args.format in NEEDS and importlib.util.find_spec(NEEDS[args.format][0]) is None:
         package, extra = NEEDS[args.format]
@@ -88,6 +105,8 @@ def main(argv: list[str]) -> None:
         raise UserError(f"{source} is not a model file: give a run folder, a checkpoint folder "
                         "or a model.pt")
     cfg = config_from_dict(state.get("config", {}), f"config stored in {source}")
+    for key, value in overrides.items():  # where the run's data is now
+        OmegaConf.update(cfg, key, value)
     run_dir = source.parent.parent if source.parent.name == "checkpoints" else source.parent
     target = Path(args.output) if args.output else run_dir / OUTPUTS[args.format]
     if args.format == "hf":

@@ -66,6 +66,24 @@ def test_an_fsdp_checkpoint_exports_to_safetensors_that_reload_with_equal_output
     tokens = torch.arange(32).reshape(2, 16) % VOCABULARY
     assert torch.equal(fresh.eval()(tokens), reference.eval()(tokens))
 
+    # The run's data moved: data.root says where it is now; another key is one line.
+    data = fsdp_gpt.parent / "tokens"
+    moved = data.rename(fsdp_gpt.parent / "moved")
+    try:
+        again = run([sys.executable, "export.py", str(fsdp_gpt), "--format", "safetensors",
+                     f"data.root={moved}", str(fsdp_gpt / "moved.safetensors")])
+        other = run([sys.executable, "export.py", str(fsdp_gpt), "model.hidden_dim=8",
+                     "--format", "safetensors"])
+    finally:
+        moved.rename(data)
+    assert again.returncode == 0, again.stdout
+    with safe_open(fsdp_gpt / "moved.safetensors", "pt") as file:
+        assert json.loads(file.metadata()["config"])["data"]["root"] == str(moved)
+        assert all(torch.equal(file.get_tensor(key), stored[key]) for key in stored)
+    assert other.returncode == 2 and other.stdout.splitlines() == [
+        "error: model.hidden_dim: export.py takes data.* settings only (where the run's data is "
+        "now); the model and the task come from the checkpoint"], other.stdout
+
 
 @pytest.mark.slow
 def test_hf_of_a_model_that_is_not_a_hugging_face_model_is_one_line(fsdp_gpt):
