@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -75,42 +76,120 @@ def apply_edit(project: Path, action: str, body: str) -> None:
 
 BAKED_SUITE = "tests/test_baked_project.py::test_baked_project_suite_and_lint"
 SUITE_LIMIT = 1800  # seconds from its start: a hang fails the test instead of the CI run
+# A skipped test's reason, in the baked suite, when it needs an optional part a user installs
+# (tests/conftest.py's needs_extra there: "needs the mlflow extra: pip install ...").
+NEEDS = re.compile(r"\bneeds (the \w+ extra|kubeflow-trainer-api)\b")
+
+
+def readme_install_venv(folder: Path, project: Path) -> Path:
+    """A virtual environment that holds what the baked README installs, and nothing else: torch
+    (the version of this environment, the CPU build that pip finds here: the README has the user
+    install torch first) and the project with its [dev] extra. uv installs them: pip's
+    resolution, unpacked once into its cache and linked from there on later calls."""
+    import torch
+
+    uv = Path(sys.executable).parent / "uv"
+    wheels = folder.with_name(f"{folder.name}-wheels")  # pip's own search finds the torch wheel
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", wheels,
+                    f"torch=={torch.__version__.split('+')[0]}"], check=True, timeout=600,
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    subprocess.run([uv, "venv", "-q", "--python", sys.executable, folder], check=True,
+                   timeout=120)
+    subprocess.run([uv, "pip", "install", "-q", "--python", folder / "bin" / "python",
+                    *sorted(wheels.glob("torch-*.whl")), "-e", f"{project}[dev]"], check=True,
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    shutil.rmtree(wheels)
+    return folder / "bin" / "python"
+
+
+def skipped_for_extras(junit: Path, project: Path) -> list[str]:
+    """The tests of a run (its JUnit XML) skipped because an optional part is missing: node ids,
+    or a file's path where its whole module was skipped."""
+    import xml.etree.ElementTree as ElementTree
+
+    found = []
+    for case in ElementTree.parse(junit).iter("testcase"):
+        skipped = case.find("skipped")
+        if skipped is None or not NEEDS.search(f"{skipped.get('message')} {skipped.text}"):
+            continue
+        if not case.get("classname"):  # a module skipped at collection: its name is its path
+            found.append(case.get("name").replace(".", "/") + ".py")
+            continue
+        parts = case.get("classname").split(".")
+        at = next(i for i in range(len(parts), 0, -1)  # the module's path, then its classes
+                  if (project / Path(*parts[:i])).with_suffix(".py").is_file())
+        found.append("::".join(["/".join(parts[:at]) + ".py", *parts[at:], case.get("name")]))
+    return found
 
 
 class BakedSuite:
     """The baked project's own test suite, started as soon as the session has collected its test
-    and run in the background. Its two xdist workers leave a core idle much of the time (a
-    multi-process test waits on its processes starting up); the template's other tests, run
-    meanwhile, use it. Its test, ordered last, waits for it."""
+    and run in the background (a thread of its own). Its two xdist workers leave a core idle much
+    of the time (a multi-process test waits on its processes starting up); the template's other
+    tests, run meanwhile, use it. Its test, ordered last, waits for it.
+
+    It runs as a user runs it: in a virtual environment holding the README's install alone
+    (torch and `-e '.[dev]'`), where the tests of optional features skip, naming their extra;
+    then those tests run again here, where every extra is installed."""
 
     def __init__(self, markers: str):
         self.root = Path(tempfile.mkdtemp(prefix="baked-suite-"))
+        self.markers = markers
         bake = run([sys.executable, "-m", "cookiecutter", "--no-input", "-o", self.root / "bake",
                     TEMPLATE], cwd=self.root, timeout=120)
         self.bake_error = None if bake.returncode == 0 else bake.stdout  # its test says it
         self.project = self.root / "bake" / "my_ddp_experiment"
         self.log = self.root / "suite.log"
         self.started = time.monotonic()
-        self.process = None
-        if self.bake_error:
-            return
-        with open(self.log, "w") as log:
+        self.process: subprocess.Popen | None = None  # the step running now
+        self.status: int | None = None
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        if not self.bake_error:
+            self.thread.start()
+
+    def _pytest(self, python, *args: str, title: str) -> int:
+        with open(self.log, "a") as log:
+            log.write(f"== {title}\n")
+            log.flush()
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                 "--dist", "loadfile", "-rs", "--durations=20",
-                 *(["-m", markers] if markers else [])],
+                [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                 "loadfile", "-rs", "--durations=20",
+                 *(["-m", self.markers] if self.markers else []), *args],
                 cwd=self.project, env=command_env(), stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
+        return -1 if self.stopping else self.process.wait()
+
+    def _run(self) -> None:
+        try:
+            python = readme_install_venv(self.root / "venv", self.project)
+            junit = self.root / "readme-install.xml"
+            status = self._pytest(python, f"--junitxml={junit}",
+                                  title="the README's install: torch and -e '.[dev]'")
+            extras = skipped_for_extras(junit, self.project) if junit.is_file() else []
+            if status == 0 and extras and not self.stopping:
+                status = self._pytest(sys.executable, *extras,
+                                      title="the tests it skipped, with every extra installed")
+            self.status = status
+        except Exception as error:  # noqa: BLE001 (the suite's test reports it)
+            with open(self.log, "a") as log:
+                log.write(f"the baked suite could not run: {error!r}\n")
+            self.status = -1
 
     def result(self) -> tuple[int, str]:
         """Its exit status and output, once it has ended (TimeoutExpired past SUITE_LIMIT)."""
-        self.process.wait(timeout=max(1.0, self.started + SUITE_LIMIT - time.monotonic()))
-        return self.process.returncode, self.log.read_text()
+        limit = max(1.0, self.started + SUITE_LIMIT - time.monotonic())
+        self.thread.join(timeout=limit)
+        if self.thread.is_alive():
+            raise subprocess.TimeoutExpired("the baked suite", SUITE_LIMIT)
+        return self.status, self.log.read_text()
 
     def stop(self) -> None:
+        self.stopping = True
         if self.process and self.process.poll() is None:  # ended early: its processes go too
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+        self.thread.join(timeout=60)
         shutil.rmtree(self.root, ignore_errors=True)
 
 

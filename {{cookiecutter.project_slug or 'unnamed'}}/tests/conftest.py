@@ -72,6 +72,14 @@ def torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProcess
                     f"--nproc_per_node={nproc}", script, *args], TMPDIR=tmp)
 
 
+def needs_extra(extra: str, module: str | None = None):
+    """The module an optional feature's test needs (by default the extra's own name), or a skip
+    that names the extra to install: the quick tier passes with the README's install alone
+    (`pip install -e '.[dev]'`), and `pip install -e '.[dev,all]'` runs every test."""
+    return pytest.importorskip(module or extra, reason=f"needs the {extra} extra: "
+                               f"pip install -e '.[{extra}]'")
+
+
 def only_run_dir(output_dir: Path) -> Path:
     runs = list(output_dir.iterdir())
     assert len(runs) == 1, f"expected one run folder, found {runs}"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import check_equivalence
-from conftest import TINY, fixture, run
+from conftest import TINY, fixture, needs_extra, run
 from ddpkit import equivalence, recipes
 from ddpkit.config import load_config
 
@@ -122,7 +122,7 @@ def test_a_divergence_that_depends_on_the_world_size_fails_naming_the_parameter(
 def test_a_hugging_face_bert_passes_at_3_processes(tmp_path):
     # The case: over a whole epoch (38 steps of 6) at 3 processes, Adam drives the
     # attention key biases apart on rounding noise alone; every other parameter agrees.
-    pytest.importorskip("transformers")
+    needs_extra("transformers")
     result, rows = check(tmp_path, f"model.name={MODELS}:tiny_bert", "model.hidden_dim=16",
                          "ddp.find_unused_parameters=true", "train.global_batch_size=6",
                          "--steps", "38", nproc=3)

@@ -13,7 +13,7 @@ import torch
 from test_language_model import TEXT, token_folder, word_tokenizer
 
 import export
-from conftest import run
+from conftest import needs_extra, run
 from ddpkit import __version__
 from ddpkit.config import UserError, config_from_dict
 from ddpkit.parallel import build_model
@@ -41,7 +41,7 @@ def fsdp_gpt(tmp_path_factory):
 
 @pytest.mark.slow
 def test_an_fsdp_checkpoint_exports_to_safetensors_that_reload_with_equal_outputs(fsdp_gpt):
-    pytest.importorskip("safetensors")  # the baked project's [safetensors] extra
+    needs_extra("safetensors")
     from safetensors import safe_open
     from safetensors.torch import load_model
 
@@ -109,7 +109,7 @@ def test_a_hugging_face_model_exports_a_folder_that_from_pretrained_opens(tmp_pa
     """A tiny GPT-2 and a word-level tokenizer saved in a folder (nothing downloaded), trained 3
     steps from it by a builder as the language-model recipe writes one, exported with --format
     hf: from_pretrained opens the folder with the trained weights, and its tokenizer."""
-    pytest.importorskip("transformers")  # the baked project's [transformers] extra
+    needs_extra("transformers")
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     from ddpkit.tokens import prepare

@@ -7,14 +7,14 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY, run
+from conftest import TINY, needs_extra, run
 from ddpkit.config import UserError, load_config
 from ddpkit.lm import build_gpt
 from ddpkit.speed import resolve_speed
 
 
 def test_the_eligible_linear_layers_but_the_head_train_in_float8():
-    pytest.importorskip("torchao")  # the baked project's [float8] extra
+    needs_extra("float8", "torchao")
     from ddpkit.extras.float8 import convert_to_float8
 
     cfg = load_config(["model.name=gpt", "model.hidden_dim=64", "model.num_layers=2",

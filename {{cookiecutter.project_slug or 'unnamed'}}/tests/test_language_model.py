@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import only_run_dir, run
+from conftest import needs_extra, only_run_dir, run
 from ddpkit import flops
 from ddpkit.checkpoint_files import MODEL_FILE, list_checkpoints
 from ddpkit.collate import stacking_collate
@@ -69,6 +69,7 @@ def test_prepare_writes_character_tokens_that_decode_to_the_text(tmp_path):
 
 def word_tokenizer(folder: Path):
     """A word-level tokenizer of TEXT, saved in `folder` as a Hugging Face tokenizer."""
+    needs_extra("transformers", "tokenizers")  # (transformers brings it)
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -287,6 +288,7 @@ def test_a_pretrained_hugging_face_model_trains_and_writes_without_a_wrapper(tmp
     """A causal LM saved in a folder (nothing downloaded), loaded as a builder in model.py
     loads it (pretrained_causal_lm, which refuses a folder that does not fit the data): its
     output object is scored as it is, it learns, and it continues text."""
+    needs_extra("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -475,6 +477,7 @@ def test_sample_py_continues_a_prompt_with_a_hugging_face_model_folder(tmp_path)
     """A causal LM and its tokenizer saved in one folder (nothing downloaded): sample.py writes
     the continuation the model's own greedy choice gives; a folder without a tokenizer is one
     line."""
+    needs_extra("transformers")
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     folder = tmp_path / "hf"

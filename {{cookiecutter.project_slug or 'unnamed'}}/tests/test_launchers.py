@@ -102,7 +102,9 @@ def test_a_status_endpoint_that_never_answers_holds_no_training_step():
 
 
 def test_a_progress_report_is_what_the_kubeflow_trainer_api_accepts():
-    models = pytest.importorskip("kubeflow_trainer_api.models")
+    models = pytest.importorskip(  # the Kubeflow Trainer API's models: no extra of the project
+        "kubeflow_trainer_api.models", reason="needs kubeflow-trainer-api (pip install "
+        "kubeflow-trainer-api), which the template's own test environment has")
     body = status(30, 120, 90.4, {"loss": 0.25, "val_accuracy": 0.875})
     parsed = models.TrainerV1alpha1UpdateTrainJobStatusRequest.from_dict(body)
     again = parsed.model_dump(mode="json", by_alias=True, exclude_none=True)

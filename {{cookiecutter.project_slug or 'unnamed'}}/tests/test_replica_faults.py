@@ -12,9 +12,9 @@ import threading
 import pytest
 from test_launch import free_port
 
-from conftest import TINY, run
+from conftest import TINY, needs_extra, run
 
-pytest.importorskip("torchft")
+needs_extra("torchft")
 
 
 def refusal(result, tmp_path) -> str:

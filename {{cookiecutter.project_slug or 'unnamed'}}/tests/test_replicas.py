@@ -16,11 +16,11 @@ import pytest
 from test_distributed import evaluate_at
 from test_launch import free_port, processes_in_group
 
-from conftest import PROJECT, TINY, command_env, only_run_dir, run
+from conftest import PROJECT, TINY, command_env, needs_extra, only_run_dir, run
 from ddpkit.extras.replicas.groups import step_log
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("torchft")
+needs_extra("torchft")
 
 GROUPS, LOSE_AT = 2, 30
 EPOCHS, STEPS_PER_EPOCH = 5, 19  # TINY's steps at 12 samples a step

@@ -11,7 +11,7 @@ import pytest
 from test_evaluate_faults import run_sh
 from test_faults import finish, kill_worker, launch, wait_for
 
-from conftest import TINY, only_run_dir, run
+from conftest import TINY, needs_extra, only_run_dir, run
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +37,8 @@ def jsonl_steps(path: Path) -> list[int]:
 
 
 def test_one_tracker_run_per_job_through_a_kill_a_resume_and_an_evaluation(tmp_path):
-    pytest.importorskip("mlflow", reason="the [mlflow] extra is not installed")
-    pytest.importorskip("wandb", reason="the [wandb] extra is not installed")
+    needs_extra("mlflow")
+    needs_extra("wandb")
     output = tmp_path / "runs"
     tracked = [*TINY, "tracking.mlflow=true", "tracking.wandb=true", "tracking.wandb_mode=offline",
                f"run.output_dir={output}", "train.log_every=2"]
@@ -77,7 +77,7 @@ def test_one_tracker_run_per_job_through_a_kill_a_resume_and_an_evaluation(tmp_p
 
 
 def test_a_tracker_whose_server_is_down_warns_once_and_the_run_goes_on(tmp_path):
-    pytest.importorskip("mlflow", reason="the [mlflow] extra is not installed")
+    needs_extra("mlflow")
     result = run([sys.executable, "train.py", *TINY, "train.epochs=1", "tracking.mlflow=true",
                   "tracking.mlflow_uri=http://127.0.0.1:9", f"run.output_dir={tmp_path}"])
     assert result.returncode == 0, result.stdout
@@ -89,7 +89,7 @@ def test_a_tracker_whose_server_is_down_warns_once_and_the_run_goes_on(tmp_path)
 
 
 def test_a_tracker_server_that_never_answers_is_given_up_and_training_goes_on(tmp_path):
-    pytest.importorskip("mlflow", reason="the [mlflow] extra is not installed")
+    needs_extra("mlflow")
     with socket.socket() as server:  # the kernel accepts its connections; nobody answers them
         server.bind(("127.0.0.1", 0))
         server.listen(16)
