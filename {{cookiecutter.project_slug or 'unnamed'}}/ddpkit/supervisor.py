@@ -1,5 +1,6 @@
 """Preemption signals and stalls: SIGTERM / SIGUSR1 noted and acted on at a step every rank agrees
-on (Supervisor.should_stop), and a watchdog thread that names the rank a stalled job waits for.
+on (Supervisor.should_stop), or, in a one-shot command, at once (stop_at_once); and a watchdog
+thread that names the rank a stalled job waits for.
 """
 
 import contextlib

@@ -76,15 +76,17 @@ def remove(path: Path) -> None:
 
 def write_whole(target: Path, write: Callable[[Path], None], *, folder: bool = False,
                 exists: str = "replace", needed: int | None = None, report: bool = True,
-                advice: str = "") -> bool:
+                advice: str = "", durable: bool = True) -> bool:
     """Make `target` whole or not at all (the module's docstring): `write(path)` writes the
     file `path`, or with folder=True fills the folder `path` (made empty for it). A target that
     exists is replaced (exists="replace"; a folder too), kept when another process made it
     first (exists="keep": returns False; for folders written once, by ranks that start at
     once), or refused in one line (exists="refuse"). An OSError is one line naming the target
     (write_failure; `needed`: the bytes it takes, and `advice`, what to do, for a full disk), or
-    with report=False raised as it is, for a caller that words it. Returns True when this call
-    put the target in place."""
+    with report=False raised as it is, for a caller that words it. durable=False leaves out the
+    flush of each file (a folder of many small files the project writes itself, and writes
+    again when it finds one damaged): other processes still see it whole or not at all. Returns
+    True when this call put the target in place."""
     if exists not in EXISTING:
         raise ValueError(f"exists={exists!r}: one of {EXISTING}")
     target = Path(target)
@@ -95,7 +97,7 @@ def write_whole(target: Path, write: Callable[[Path], None], *, folder: bool = F
         if folder:
             temporary.mkdir()
         write(temporary)
-        settle(temporary)
+        settle(temporary, durable)
         placed = put_in_place(temporary, target, exists)
         fsync_folder(target.parent)
         return placed
@@ -110,9 +112,9 @@ def write_whole(target: Path, write: Callable[[Path], None], *, folder: bool = F
         remove(temporary)  # any other failure, or a stop: nothing half written stays
 
 
-def settle(path: Path) -> None:
-    """A written file, or every file and folder of a written folder, flushed to disk and given
-    the umask's permissions (executable files stay executable)."""
+def settle(path: Path, durable: bool = True) -> None:
+    """A written file, or every file and folder of a written folder, flushed to disk (unless
+    not `durable`) and given the umask's permissions (executable files stay executable)."""
     umask = current_umask()
     entries = [path] if path.is_file() else [path, *path.rglob("*")]
     for entry in entries:
@@ -122,6 +124,8 @@ def settle(path: Path) -> None:
         wanted = (0o777 if entry.is_dir() or mode & 0o111 else 0o666) & ~umask
         if mode & 0o777 != wanted:
             entry.chmod(wanted)
+        if not durable:
+            continue
         if entry.is_file():
             with open(entry, "rb") as handle:
                 os.fsync(handle.fileno())
@@ -180,9 +184,10 @@ def write_atomically(state: dict, path: Path) -> None:
 def write_folder_once(root: Path, marker: str, write: Callable[[Path], None]) -> None:
     """Make the folder `root` with `write(folder)`, whole: ranks that start at once never see
     half of it, and the first one's is kept (`marker`, a file `write` makes, tells a complete
-    folder)."""
+    folder). Not flushed file by file: the built-in datasets' folders hold thousands of files,
+    and one found damaged is written again once deleted."""
     try:
-        write_whole(root, write, folder=True, exists="keep")
+        write_whole(root, write, folder=True, exists="keep", durable=False)
     except UserError:
         if not (root / marker).is_file():
             raise

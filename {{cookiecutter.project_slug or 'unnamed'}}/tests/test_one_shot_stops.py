@@ -15,7 +15,7 @@ import pytest
 from test_faults import finish, wait_for
 
 from conftest import PROJECT, command_env
-from ddpkit import checkpoint, recipes
+from ddpkit import checkpoint, recipes, supervisor
 from ddpkit.config import UserError, load_config
 from ddpkit.parallel import build_model
 from ddpkit.project import PREEMPTED_EXIT
@@ -89,6 +89,21 @@ def test_sigterm_and_ctrl_c_stop_one_shot_commands_at_once_with_nothing_half_wri
             assert process.returncode == 130, (name, output)
         assert "Traceback" not in output, (name, output)
         assert list(folder.iterdir()) == [], (name, stop)  # nothing, hidden or not
+
+
+@pytest.mark.parametrize("number", [signal.SIGUSR1, signal.SIGHUP])
+def test_sigusr1_and_sighup_stop_a_one_shot_command_as_sigterm_does(number):
+    """In this process: the handlers stop_at_once installs turn them into Stopped (what
+    run_main ends with exit 75, as the test above sees for SIGTERM); put back afterwards."""
+    kept = {n: signal.getsignal(n) for n in (*supervisor.STOP_SIGNALS, signal.SIGINT)}
+    try:
+        supervisor.stop_at_once()
+        with pytest.raises(supervisor.Stopped, match=f"^stopped by {number.name}$"):
+            os.kill(os.getpid(), number)  # (its handler runs at the next instruction)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # its clean-up not cut short
+    finally:
+        for n, handler in kept.items():
+            signal.signal(n, handler)
 
 
 def test_two_preparations_of_one_folder_do_not_both_write_it(tmp_path):
