@@ -2,11 +2,11 @@
 why, and for a full disk the space there and the space needed.
 
 write_whole is the one way to write: `write(path)` makes a file, or fills a folder, at a hidden
-temporary path beside the target (`.<name>.tmp-<pid>`); then the temporary is flushed to disk,
-given the permissions that open() and mkdir() give under the umask (some writers make files for
-their owner alone), and renamed into place, and the folder that holds it is flushed. On any
-failure, or a stop (Ctrl-C, a signal that ends a command at once), the temporary is removed: a
-reader sees the old target or the new one, never half of one. An OSError is one line
+temporary path beside the target (`.<name>.tmp-<pid>-<random>`); then the temporary is flushed
+to disk, given the permissions that open() and mkdir() give under the umask (some writers make
+files for their owner alone), and renamed into place, and the folder that holds it is flushed.
+On any failure, or a stop (Ctrl-C, a signal that ends a command at once), the temporary is
+removed: a reader sees the old target or the new one, never half of one. An OSError is one line
 (write_failure). write_text, write_atomically (torch.save) and write_folder_once are its common
 uses; writing_alone is a lock on a target for writers that must not run at once.
 """
@@ -16,6 +16,7 @@ import errno
 import fcntl
 import glob
 import os
+import secrets
 import shutil
 import socket
 from collections.abc import Callable, Iterator
@@ -50,8 +51,9 @@ def current_umask() -> int:
 
 
 def temporary_path(target: Path) -> Path:
-    """Where write_whole writes `target` first: hidden, beside it, this process's own."""
-    return target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    """Where write_whole writes `target` first: hidden, beside it, this call's own (processes
+    of two machines may have the same id and write one folder of a shared file system)."""
+    return target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def remove_leftovers(target: Path) -> list[Path]:
@@ -93,7 +95,6 @@ def write_whole(target: Path, write: Callable[[Path], None], *, folder: bool = F
     temporary = temporary_path(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        remove(temporary)  # (a process of the same id, long gone, left it)
         if folder:
             temporary.mkdir()
         write(temporary)
