@@ -203,4 +203,4 @@ def track(run_cfg: DictConfig, run_dir: Path, result: dict, step: int, split: st
 
 if __name__ == "__main__":
     torch.set_grad_enabled(False)
-    lifecycle.run_main(main)
+    lifecycle.run_main(main, one_shot=True)

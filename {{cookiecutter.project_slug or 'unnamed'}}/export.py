@@ -234,4 +234,4 @@ def readable_as_by_open(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    lifecycle.run_main(main)
+    lifecycle.run_main(main, one_shot=True)

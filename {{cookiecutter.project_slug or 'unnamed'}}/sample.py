@@ -16,6 +16,7 @@ printed whole, prompt first, followed by a line of dashes.
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from ddpkit import checkpoint_files, checkpoint_load, lifecycle, recipes
 from ddpkit.config import UserError, config_from_dict
 from ddpkit.data import build_splits
 from ddpkit.evaluation import run_folder_choice
-from ddpkit.lm import generate
+from ddpkit.lm import generate, logits_of
 from ddpkit.parallel import build_model
 from ddpkit.tasks import build_task
 from ddpkit.tokens import Vocabulary
@@ -37,18 +38,45 @@ def arguments(argv: list[str]) -> argparse.Namespace:
                         "Hugging Face model's folder")
     parser.add_argument("--prompt", default="\n", help="the text to continue (default: a "
                         "new line)")
-    parser.add_argument("--tokens", type=int, default=200, help="tokens to add (default 200)")
-    parser.add_argument("--temperature", type=float, default=0.8,
+    parser.add_argument("--tokens", type=whole("--tokens", 1), default=200,
+                        help="tokens to add (default 200)")
+    parser.add_argument("--temperature", type=temperature, default=0.8,
                         help="below 1: likelier tokens; 0: always the likeliest (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=0,
+    parser.add_argument("--top-k", type=whole("--top-k", 0), default=0,
                         help="draw from the k likeliest tokens only; 0: all (default)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--samples", type=int, default=1, help="continuations (default 1)")
-    args = parser.parse_args(argv)
-    if args.tokens < 1 or args.samples < 1 or args.temperature < 0 or args.top_k < 0:
-        raise UserError("--tokens and --samples must be 1 or more, --temperature and --top-k "
-                        "0 or more")
-    return args
+    parser.add_argument("--seed", type=whole("--seed", 0, 2**64 - 1), default=0)
+    parser.add_argument("--samples", type=whole("--samples", 1), default=1,
+                        help="continuations (default 1)")
+    return parser.parse_args(argv)
+
+
+def whole(option: str, least: int, most: int | None = None):
+    """An argument type: a whole number from `least` to `most`, else one line (a UserError
+    passes through argparse)."""
+    wanted = f"from {least} to {most}" if most is not None else f"{least} or more"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least or (most is not None and value > most):
+            raise UserError(f"{option} {text}: give a whole number, {wanted}")
+        return value
+
+    return parse
+
+
+def temperature(text: str) -> float:
+    """--temperature: a finite number, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise UserError(f"--temperature {text}: give a finite number, 0 or more (0: always the "
+                        "likeliest token)")
+    return value
 
 
 def load(spec: str):
@@ -88,6 +116,18 @@ def load_pretrained(folder: Path):
     return model.eval(), Vocabulary({"tokenizer": str(folder)}), context
 
 
+def check_vocabulary(model: torch.nn.Module, prompt: torch.Tensor, context: int,
+                     vocabulary: Vocabulary, source: str) -> None:
+    """A model that predicts more token ids than its vocabulary decodes (the model's output
+    size above the vocabulary's) is one line, before any text is drawn."""
+    with torch.no_grad():
+        outputs = logits_of(model(prompt[:, -context:])).shape[-1]
+    if outputs > vocabulary.size:
+        raise UserError(f"the model of {source} predicts {outputs} token ids, and its vocabulary "
+                        f"decodes {vocabulary.size}: sample with the token data (data.root) or "
+                        "the tokenizer it was trained with")
+
+
 def main(argv: list[str]) -> None:
     args = arguments(argv)
     recipes.load()  # your model.py, data_sources.py and tasks.py add to the registries
@@ -97,6 +137,7 @@ def main(argv: list[str]) -> None:
     prompt = torch.tensor([vocabulary.encode(args.prompt)], device=device)
     if prompt.numel() == 0:
         raise UserError("--prompt encodes to no tokens: give it some text")
+    check_vocabulary(model, prompt, context, vocabulary, args.source)
     generator = torch.Generator(device).manual_seed(args.seed)
     for _ in range(args.samples):
         tokens = generate(model, prompt, args.tokens, context, args.temperature, args.top_k,
@@ -105,4 +146,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    lifecycle.run_main(main)
+    lifecycle.run_main(main, one_shot=True)

@@ -240,6 +240,39 @@ class Step(list):
     weight = 1.0
 
 
+class DataFingerprint:
+    """What a checkpoint records of the data it trained on (a part of Run.parts), where the
+    training split can say it: a `fingerprint()` method (or attribute) returning a string that
+    changes when the data does (token data: tokens.fingerprint). A resume on data whose
+    fingerprint differs from the checkpoint's (a folder written again in place) is refused in
+    one line, unless data.resume_changed=true, which resumes on the data as it is now."""
+
+    def __init__(self, value: str, cfg: DictConfig):
+        self.value, self.cfg = value, cfg
+
+    @classmethod
+    def of(cls, split, cfg: DictConfig) -> "DataFingerprint | None":
+        """The training split's fingerprint, taken now; None when it has none."""
+        make = getattr(split, "fingerprint", None)
+        return cls(str(make()), cfg.data) if callable(make) else None
+
+    def state_dict(self) -> dict:
+        return {"fingerprint": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("fingerprint")
+        if saved is None or saved == self.value:
+            return
+        where = (f"data.root={self.cfg.root}" if self.cfg.root
+                 else f"the default folder of data.dataset={self.cfg.dataset}")
+        if not self.cfg.resume_changed:
+            raise UserError(f"the data in {where} changed since the checkpoint was written (its "
+                            "fingerprint differs: written again in place?): put that data back, "
+                            "or set data.resume_changed=true to resume on it as it is now")
+        log.info("the data in %s changed since the checkpoint was written: resuming on it as it "
+                 "is now (data.resume_changed=true)", where)
+
+
 class DataModule:
     """Datasets and loaders for one rank."""
 

@@ -28,7 +28,13 @@ from ddpkit.exits import (
     world_size_given,
 )
 from ddpkit.project import PREEMPTED_EXIT, UserError
-from ddpkit.supervisor import Preempted, handle_signals, running_watchdog
+from ddpkit.supervisor import (
+    Preempted,
+    Stopped,
+    handle_signals,
+    running_watchdog,
+    stop_at_once,
+)
 
 log = logging.getLogger("ddp")
 
@@ -171,14 +177,27 @@ def leave_interrupted() -> NoReturn:
     exit_now(0 if os.environ.get("RUN_SH_STATUS_FILE") else 130)
 
 
-def run_main(main: Callable[[list[str]], None]) -> None:
+def run_main(main: Callable[[list[str]], None], one_shot: bool = False) -> None:
     """Run an entry point: a UserError prints once and exits 2; any other error prints its
     traceback once, from the rank it happened on, and exits 1; the group is always left. A
     crash in native code (segmentation fault, abort) prints every thread's Python stack. A run
-    that finishes returns, and the process ends through the interpreter's own exit."""
+    that finishes returns, and the process ends through the interpreter's own exit.
+
+    one_shot: a command that writes its result at its end and has nothing to save on the way
+    (sample.py, export.py, the token preparation, evaluate.py). In one process it stops at once
+    on SIGTERM, SIGUSR1 or SIGHUP (one line, exit 75) and on Ctrl-C (exit 130), nothing half
+    written (supervisor.stop_at_once); training, and a command of several processes, stop
+    where every rank agrees to (supervisor.Supervisor)."""
     install()
     try:
+        if one_shot and world_size_given() <= 1:
+            stop_at_once()
         main(sys.argv[1:])
+    except Stopped as stop:
+        print(f"{stop}: nothing is left half written; run the same command again",
+              file=sys.stderr, flush=True)
+        tell_run_sh("preempted")  # (run.sh, of one process, exits 75)
+        leave(0 if os.environ.get("RUN_SH_STATUS_FILE") else PREEMPTED_EXIT)
     except UserError as error:
         if getattr(error, "raised_alone", False):  # (streams.DataError, from a read mid-run)
             _exit_alone_on_user_error(str(error))

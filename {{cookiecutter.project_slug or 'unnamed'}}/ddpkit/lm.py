@@ -233,7 +233,10 @@ def generate(model: nn.Module, tokens: torch.Tensor, new_tokens: int, context: i
         if temperature == 0:
             chosen = logits.argmax(-1, keepdim=True)
         else:
-            logits = logits / temperature
+            # Less the largest first: a tiny temperature then sends the others to -inf, never
+            # the likeliest to inf (inf - inf: a NaN distribution); in float64, where any
+            # positive temperature stays above 0.
+            logits = (logits - logits.max(-1, keepdim=True).values).double() / temperature
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, -math.inf)

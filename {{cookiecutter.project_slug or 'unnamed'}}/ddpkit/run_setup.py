@@ -34,7 +34,7 @@ from ddpkit.config import (
     inactive_settings,
     load_config,
 )
-from ddpkit.data import DataModule
+from ddpkit.data import DataFingerprint, DataModule
 from ddpkit.parallel import build_model, wrap_model
 from ddpkit.position import Position
 from ddpkit.resume_settings import apply_changed_settings, refuse_fixed_settings
@@ -97,6 +97,7 @@ def start_run(argv: list[str]) -> Run:
     run = assemble(cfg, env, device, data, task, speed, model, input_shape, folder.path,
                    resumed=resume_from is not None)
     guard_and_average(run)  # before a resume: their state is in the checkpoint
+    run.fingerprint = DataFingerprint.of(data.splits.train, cfg)  # (the data as it is now)
     if resume_from:
         resume(run, folder, resume_from, saved_config)
     elif not folder.created:  # restarted before its first checkpoint: it logs from step 1 again

@@ -64,6 +64,7 @@ class Run:
     train_step: Callable | None = None
     guard: object = None  # step_guard.StepGuard (guard.enabled): its train_step is the step
     ema: object = None  # ema.WeightAverage (train.ema_decay): the averaged weights
+    fingerprint: object = None  # data.DataFingerprint: what the data was, where it says
 
     def __post_init__(self):
         # Named as the groups were built: a checkpoint of release 1.0.0 loads groups unnamed.
@@ -77,7 +78,8 @@ class Run:
         return {"model": ModelState(self.model), "optimizer": ModelState(self.model,
                 optimizer), "scheduler": self.scheduler, "scaler": self.scaler,
                 "train_log": self.training_log, "plateau": self.plateau,
-                "validation": self.validation, "guard": self.guard, "ema": self.ema}
+                "validation": self.validation, "guard": self.guard, "ema": self.ema,
+                "data": self.fingerprint}
 
     def averaged_weights(self):
         """With train.ema_decay, the averaged weights in the model for a block (validation, the

@@ -77,6 +77,9 @@ class DataConfig:
                               "image_size pixels.", above=0)
     block_size: int = setting(128, "tokens: the tokens of each training and evaluation "
                               "window, a language model's context.", above=0)
+    resume_changed: bool = setting(False, "Resume a checkpoint whose data changed since it was "
+                                   "written (its fingerprint differs: token data written again "
+                                   "in place); false refuses.")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Preemption signals and stalls: SIGTERM / SIGUSR1 noted and acted on at a step every rank agrees
-on (Supervisor.should_stop), and a watchdog thread that names the rank a stalled job waits for.
+on (Supervisor.should_stop), or, in a one-shot command, at once (stop_at_once); and a watchdog
+thread that names the rank a stalled job waits for.
 """
 
 import contextlib
@@ -65,6 +66,49 @@ def _interrupt_once(number, frame) -> None:
 
 class Preempted(Exception):
     """Every rank agreed to stop for a preemption signal (after saving, in training)."""
+
+
+# What stops a command that stops at once: SIGHUP (a closed terminal) as SIGTERM, as run.sh has it.
+STOP_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGHUP)
+
+
+class Stopped(BaseException):
+    """A command that stops at once (stop_at_once) got a stop signal. A BaseException, as
+    KeyboardInterrupt is: no `except Exception` on its way words it as a failure."""
+
+
+def stop_at_once() -> None:
+    """For a one-process command that writes its result at its end (sample.py, export.py, the
+    token preparation, evaluate.py of one process): SIGTERM, SIGUSR1 and SIGHUP raise Stopped
+    and Ctrl-C raises KeyboardInterrupt, wherever the main thread is, so the command ends now
+    and what it was writing is removed (writes.write_whole). A signal noted before this call
+    (by handle_signals, or by run.sh's mark) stops it here. While it ends, further signals are
+    ignored: its clean-up is not cut short."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for number in STOP_SIGNALS:
+        signal.signal(number, _stop)
+    signal.signal(signal.SIGINT, _interrupt_and_hold)
+    if PREEMPTION_SIGNALS_RECEIVED:
+        _stop(PREEMPTION_SIGNALS_RECEIVED[0], None)
+
+
+def _ignore_further_signals() -> None:
+    for number in (*STOP_SIGNALS, signal.SIGINT):
+        signal.signal(number, signal.SIG_IGN)
+
+
+def _stop(number, frame) -> None:
+    _ignore_further_signals()
+    raise Stopped(f"stopped by {signal.Signals(number).name}")
+
+
+def _interrupt_and_hold(number, frame) -> None:
+    try:
+        _interrupt_once(number, frame)
+    except KeyboardInterrupt:
+        _ignore_further_signals()
+        raise
 
 
 class Supervisor:

@@ -6,13 +6,22 @@ A token folder holds one file per split and a small metadata file:
                                    a vocabulary of up to 65,536 tokens, else uint32 (the
                                    machine's byte order, as numpy's tofile writes them)
     meta.json                      {"vocab_size": V, "dtype": "uint16" or "uint32",
+                                    "tokens": {"train": N, "val": N, "test": N},
                                     "tokenizer": "characters" or the tokenizer folder,
                                     "characters": the vocabulary of character data, ...}
 
+Each is checked before use: meta.json against the files (a file's size is its token count
+times the dtype's bytes; character data has one character per id) and every id against the
+vocabulary (whole for files up to SCAN_LIMIT tokens, else each window as it is read). A
+training run's checkpoints record the folder's fingerprint (meta.json, the files' sizes and
+sampled parts of them), and a resume on a folder written again since is refused.
+
 Write one from text files with `python -m ddpkit.tokens TEXT... --out FOLDER`: character by
 character (no download), or with a Hugging Face tokenizer saved in a folder (`--tokenizer DIR`,
-the `transformers` extra). `data.dataset=tokens` reads the folder at data.root; left empty, the
-built-in example: the project's own docs, character by character, written on first use.
+the `transformers` extra). The folder appears whole or not at all (writes.write_whole), one
+preparation at a time (a lock beside it); a stop or a failure leaves nothing half written.
+`data.dataset=tokens` reads the folder at data.root; left empty, the built-in example: the
+project's own docs, character by character, written on first use.
 
 The files are memory-mapped: a process reads only the windows it uses. Training draws windows
 of data.block_size + 1 tokens with replacement (`TokenWindows`, a streams.SampledStream): where
@@ -23,7 +32,10 @@ Evaluation cuts a split into consecutive windows (`TokenBlocks`), each scored on
 """
 
 import argparse
+import functools
+import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,7 +47,7 @@ from torch.utils.data import Dataset
 from ddpkit.config import PROJECT_DIR, UserError
 from ddpkit.splits import Splits
 from ddpkit.streams import DataError, SampledStream
-from ddpkit.writes import write_folder_once
+from ddpkit.writes import remove_leftovers, write_whole, writing_alone
 
 SPLITS = ("train", "val", "test")
 META_FILE = "meta.json"
@@ -44,6 +56,8 @@ DEFAULT_BLOCK = 128  # data.block_size when the config has none
 DRAW_BLOCK = 1024  # positions drawn from one generator: a draw's cost and memory
 ESTIMATE_KEY = 2**63  # in place of the epoch: an estimate's draws differ from training's
 SCAN_LIMIT = 2**28  # token files up to this many tokens are checked whole at start-up
+FINGERPRINT_PARTS = 16  # parts of each file a fingerprint reads, spread over it
+FINGERPRINT_PART = 2**16  # bytes of each part
 PREPARE = "python -m ddpkit.tokens"
 
 
@@ -51,16 +65,26 @@ PREPARE = "python -m ddpkit.tokens"
 
 class TokenFile:
     """One split's token file, memory-mapped on first use in each process (a loader worker
-    maps it itself: the map is not pickled). A file whose size is not a whole number of
-    tokens, or a token at or above the vocabulary, is a DataError naming the file."""
+    maps it itself: the map is not pickled). A file whose size is not the token count meta.json
+    gives (`count`), or without one not a whole number of tokens, or a token at or above the
+    vocabulary, is a DataError naming the file."""
 
-    def __init__(self, path: Path, dtype: str, vocab_size: int, fix: str):
+    def __init__(self, path: Path, dtype: str, vocab_size: int, fix: str,
+                 count: int | None = None):
         self.path, self.vocab_size, self.fix = path, vocab_size, fix
         self.dtype = np.dtype(DTYPES[dtype])
         try:
             size = path.stat().st_size
         except FileNotFoundError:
             raise DataError(f"{path} is missing: {fix}") from None
+        if count is not None and size != count * self.dtype.itemsize:
+            written_as = [name for name, kind in DTYPES.items()
+                          if count and size == count * np.dtype(kind).itemsize]
+            why = (f"its tokens are {written_as[0]}" if written_as
+                   else "it does not belong with that meta.json")
+            raise DataError(f"{path} is {size} bytes, not the {count} {dtype} tokens "
+                            f"({count * self.dtype.itemsize} bytes) its meta.json gives ({why}): "
+                            f"{fix}")
         if size % self.dtype.itemsize:
             raise DataError(f"{path} is {size} bytes, not a whole number of {dtype} tokens "
                             f"({self.dtype.itemsize} bytes each): {fix}")
@@ -157,7 +181,8 @@ class TokenBlocks(Dataset):
 
 
 def read_meta(root: Path, fix: str) -> dict:
-    """meta.json of a token folder, checked: a vocabulary size and a dtype that holds it."""
+    """meta.json of a token folder, checked: a vocabulary size and a dtype that holds it, and
+    what it says of the tokens (meta_agrees)."""
     path = root / META_FILE
     if not path.is_file():
         raise UserError(f"data.root={root} has no {META_FILE}: point data.root at a folder "
@@ -174,7 +199,52 @@ def read_meta(root: Path, fix: str) -> dict:
                         f"(uint16 or uint32): {fix}")
     if vocab > np.iinfo(DTYPES[dtype]).max + 1:
         raise DataError(f"{path}: a vocabulary of {vocab} tokens does not fit {dtype}: {fix}")
+    meta_agrees(meta, path, fix)
     return meta
+
+
+def meta_agrees(meta: dict, path: Path, fix: str) -> None:
+    """What meta.json says beside the vocabulary size, where it says it: a token count per
+    split, one character per id of character data, one length per id of a tokenizer's."""
+    vocab, counts = meta["vocab_size"], meta.get("tokens")
+    if counts is not None and not (isinstance(counts, dict) and all(
+            type(counts.get(split)) is int and counts[split] >= 0 for split in SPLITS)):
+        raise DataError(f"{path}: its tokens entry ({counts!r}) is not a count for each split "
+                        f"({', '.join(SPLITS)}): {fix}")
+    if meta.get("tokenizer") == "characters":
+        characters = meta.get("characters")
+        if not isinstance(characters, str) or len(set(characters)) != len(characters):
+            raise DataError(f"{path} gives character data without its characters, each once: "
+                            f"{fix}")
+        if len(characters) != vocab:
+            raise DataError(f"{path} gives a vocab_size of {vocab} and {len(characters)} "
+                            f"characters, one per token id: {fix}")
+    lengths = meta.get("token_characters")
+    if lengths is not None and (not isinstance(lengths, list) or len(lengths) != vocab):
+        raise DataError(f"{path}: its token_characters are not one length per token id (its "
+                        f"vocab_size is {vocab}): {fix}")
+
+
+def fingerprint(root: Path) -> str:
+    """What a checkpoint records of a token folder (the training split's fingerprint(), read by
+    data.DataFingerprint): meta.json's entries, each file's size, and FINGERPRINT_PARTS parts of
+    each file spread evenly over it (a small file whole). A folder written again, with other
+    text or other ids, gives another; reading it costs the same at any corpus size."""
+    meta = json.loads((root / META_FILE).read_text())
+    digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for split in SPLITS:
+        path = root / f"{split}.bin"
+        size = path.stat().st_size
+        digest.update(f"{split} {size}".encode())
+        last = max(size - FINGERPRINT_PART, 0)
+        starts = (range(0, size, FINGERPRINT_PART) if size <= FINGERPRINT_PARTS * FINGERPRINT_PART
+                  else [last * part // (FINGERPRINT_PARTS - 1)
+                        for part in range(FINGERPRINT_PARTS)])
+        with open(path, "rb") as handle:
+            for start in starts:
+                handle.seek(start)
+                digest.update(handle.read(FINGERPRINT_PART))
+    return digest.hexdigest()
 
 
 def token_characters(meta: dict) -> torch.Tensor | None:
@@ -198,7 +268,8 @@ def tokens(cfg: DictConfig) -> Splits:
     block = int(cfg.get("block_size") or DEFAULT_BLOCK)
     files = {}
     for split in SPLITS:
-        files[split] = TokenFile(root / f"{split}.bin", meta["dtype"], meta["vocab_size"], fix)
+        files[split] = TokenFile(root / f"{split}.bin", meta["dtype"], meta["vocab_size"], fix,
+                                 (meta.get("tokens") or {}).get(split))
         if files[split].length - 1 < block:
             raise UserError(f"data.block_size={block} is larger than the {split} split of "
                             f"{root} ({files[split].length} tokens, one more than a window's "
@@ -207,6 +278,7 @@ def tokens(cfg: DictConfig) -> Splits:
     train = TokenWindows(files["train"], block)
     train.token_characters = token_characters(meta)  # read by the next-token task
     train.meta = meta  # read by sample.py (Vocabulary)
+    train.fingerprint = functools.partial(fingerprint, root)  # recorded by checkpoints
     train.val_windows = TokenWindows(files["val"], block)  # sampled estimates (estimates.py)
     return Splits(train, TokenBlocks(files["val"], block), TokenBlocks(files["test"], block),
                   task="next_token", num_classes=meta["vocab_size"])
@@ -237,6 +309,11 @@ class Vocabulary:
             raise UserError(f"the prompt holds {''.join(unknown)!r}, which the vocabulary of "
                             "the token data lacks: leave those characters out")
         return [self.characters.index(character) for character in text]
+
+    @property
+    def size(self) -> int:
+        """The token ids it decodes: 0 .. size - 1."""
+        return len(self.tokenizer) if self.tokenizer is not None else len(self.characters)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is not None:
@@ -280,6 +357,9 @@ def character_encoder(text: str):
     """Character data: the vocabulary is every character of the text, sorted; a function
     encoding a text with it, and the meta.json entries that describe it."""
     codes = np.unique(np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32))
+    if len(codes) < 2:
+        raise UserError(f"the text is one character ({chr(codes[0])!r}) over and over: a "
+                        "language model needs a vocabulary of 2 or more, give it more text")
 
     def encode(part: str) -> np.ndarray:
         return np.searchsorted(codes, np.frombuffer(part.encode("utf-32-le"), dtype=np.uint32))
@@ -314,34 +394,52 @@ def tokenizer_encoder(folder: str):
 
 def prepare(sources: list[Path], out: Path, tokenizer: str = "", val_fraction: float = 0.1,
             test_fraction: float = 0.1) -> dict:
-    """Write the token folder `out` from text files (the module's docstring); returns its
-    meta.json. Written whole into a temporary folder, then renamed into place."""
+    """Write the new token folder `out` from text files (the module's docstring); returns its
+    meta.json. A folder `out` that exists, or that another preparation is writing, is one
+    line."""
     if min(val_fraction, test_fraction) <= 0 or val_fraction + test_fraction >= 1:
         raise UserError("--val-fraction and --test-fraction must be above 0, with a sum below 1")
+    with writing_alone(out):
+        if os.path.lexists(out):
+            raise UserError(f"--out {out} exists: choose a new folder, or delete that one")
+        return write_tokens(sources, out, tokenizer, val_fraction, test_fraction)
+
+
+def write_tokens(sources: list[Path], out: Path, tokenizer: str = "", val_fraction: float = 0.1,
+                 test_fraction: float = 0.1) -> dict:
+    """prepare's work, under its lock: what a killed preparation of `out` left is removed, and
+    the folder written whole (writes.write_whole)."""
+    remove_leftovers(out)
     text = read_text(sources)
     encode, meta = tokenizer_encoder(tokenizer) if tokenizer else character_encoder(text)
     dtype = "uint16" if meta["vocab_size"] <= 2**16 else "uint32"
-    parts = {split: encode(part) for split, part in split_text(text, val_fraction,
-                                                               test_fraction).items()}
+    parts = {split: encode(part).astype(DTYPES[dtype])
+             for split, part in split_text(text, val_fraction, test_fraction).items()}
     meta.update(dtype=dtype, tokens={split: len(part) for split, part in parts.items()})
 
     def write(folder: Path) -> None:
         for split, part in parts.items():
-            part.astype(DTYPES[dtype]).tofile(folder / f"{split}.bin")
+            with open(folder / f"{split}.bin", "wb") as handle:  # (numpy's tofile: no errno)
+                handle.write(part.data)
         (folder / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
 
-    write_folder_once(out, META_FILE, write)
+    write_whole(out, write, folder=True, exists="refuse",
+                needed=sum(part.nbytes for part in parts.values()),
+                advice="free space there, or write the folder to a larger disk")
     return meta
 
 
 def write_example(root: Path) -> None:
-    """The built-in example: the project's README and docs, character by character."""
+    """The built-in example: the project's README and docs, character by character. Ranks that
+    start at once: the first writes it, the others wait for it."""
     sources = [path for path in (PROJECT_DIR / "README.md", PROJECT_DIR / "docs") if path.exists()]
     if not sources:
         raise UserError("data.dataset=tokens with data.root empty reads the project's README.md "
                         f"and docs/, which are gone: set data.root to a folder written by "
                         f"`{PREPARE}`")
-    prepare(sources, root)
+    with writing_alone(root, wait=True):
+        if not (root / META_FILE).is_file():
+            write_tokens(sources, root)
 
 
 def main(argv: list[str]) -> None:
@@ -356,7 +454,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--val-fraction", type=float, default=0.1)
     parser.add_argument("--test-fraction", type=float, default=0.1)
     args = parser.parse_args(argv)
-    if args.out.exists():
+    if os.path.lexists(args.out):  # (said before the text is read; prepare checks it again)
         raise UserError(f"--out {args.out} exists: choose a new folder, or delete that one")
     meta = prepare(args.text, args.out, args.tokenizer, args.val_fraction, args.test_fraction)
     counts = ", ".join(f"{split} {count:,}" for split, count in meta["tokens"].items())
@@ -368,4 +466,4 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     from ddpkit import lifecycle
 
-    lifecycle.run_main(main)
+    lifecycle.run_main(main, one_shot=True)

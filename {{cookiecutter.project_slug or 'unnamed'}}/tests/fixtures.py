@@ -266,6 +266,14 @@ def mlp(cfg, input_shape, num_outputs: int) -> nn.Module:
                cfg.dropout, cfg.batchnorm)
 
 
+def padded_gpt(cfg, input_shape, num_outputs: int) -> nn.Module:
+    """The built-in GPT with its outputs rounded up to a multiple of 64, as nanoGPT pads GPT-2's
+    vocabulary: more token ids than the data's vocabulary decodes."""
+    from ddpkit.lm import build_gpt
+
+    return build_gpt(cfg, input_shape, 64 * math.ceil(num_outputs / 64))
+
+
 class PoisonedMLP(nn.Module):
     """MLP whose outputs go bad at chosen training steps, for the step guard's tests: POISON
     ("8:spike,12:nan") maps a forward pass in training (counted from 1, the count a buffer, so
