@@ -55,15 +55,15 @@ def choose(source: Path, state: dict, wanted: str, asked: str) -> str:
         return have[0]
     if wanted in have:
         return wanted
-    if wanted == AVERAGED:
+    if source.is_dir():
         raise UserError(f"{asked}: {source} holds no averaged weights (its run kept none: "
                         "train.ema_decay=0): leave it out for the trained ones, or give a "
                         "checkpoint of a run trained with train.ema_decay")
     step = state.get("step")
-    kept = (source.parent / "checkpoints" / f"step-{step:08d}" if isinstance(step, int)
-            else source.parent / "checkpoints" / "step-<N>")
-    raise UserError(f"{asked}: {source} holds the averaged weights only (a model file holds one "
-                    f"set): give the checkpoint it was written from, {kept}, which holds both")
+    kept = source.parent / "checkpoints" / (f"step-{step:08d}" if isinstance(step, int)
+                                            else "step-<N>")
+    raise UserError(f"{asked}: {source} holds the {have[0]} weights only (a model file holds "
+                    f"one set): give the checkpoint it was written from, {kept}")
 
 
 def read(source: Path, state: dict, which: str) -> dict:

@@ -89,13 +89,13 @@ def test_a_model_pt_of_1_x_is_read_as_its_summary_or_config_says(tmp_path):
 
 
 # The built-in GPT (its head shares the token embedding's weights), with averaged weights: 8
-# steps on one process, a checkpoint and a validation every 4.
+# steps on one process, a checkpoint and a validation every 4, model.pt from the best.
 AVERAGED_GPT = ["data.dataset=tokens", "data.block_size=16", "model.name=gpt",
                 "model.hidden_dim=16", "model.num_layers=1", "model.dropout=0",
                 "train.global_batch_size=4", "train.max_steps=8", "train.ckpt_every=4",
                 "train.val_every_steps=4", "train.keep_checkpoints=0", "train.ema_decay=0.9",
-                "optim.lr=0.01", "optim.warmup_steps=0", "train.progress_bar=false",
-                "train.plot_curves=false"]
+                "train.export=best", "optim.lr=0.01", "optim.warmup_steps=0",
+                "train.progress_bar=false", "train.plot_curves=false"]
 
 
 @pytest.fixture(scope="module")
@@ -140,20 +140,25 @@ def exported(path: Path) -> dict:
     return state["weights"], state["model"]
 
 
+def step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("-")[1])
+
+
 @pytest.mark.slow
 def test_model_pt_and_every_export_of_an_averaged_run_hold_its_averages(averaged_run, tmp_path,
                                                                          capsys):
     run_dir, _, output = averaged_run
-    checkpoints = list_checkpoints(run_dir / "checkpoints")
-    last, summary = checkpoints[-1], json.loads((run_dir / "summary.json").read_text())
+    last = list_checkpoints(run_dir / "checkpoints")[-1]
+    summary = json.loads((run_dir / "summary.json").read_text())
     best = Path(summary["best_checkpoint"])
     trained = read_tensors(last, "model")
     assert not torch.equal(trained["head.weight"], averages(last)["head.weight"])
-    # The end of training: model.pt holds the last step's averages, and says so.
-    assert f"the final model (averaged weights, step 8) in {run_dir / MODEL_FILE}" in output
-    assert summary["exported"] == {"from": "last", "step": 8, "weights": "averaged"}
+    # The end of training: model.pt holds the best checkpoint's averages, and says so.
+    assert (f"the final model (averaged weights, step {step_of(best)}) in "
+            f"{run_dir / MODEL_FILE}") in output
+    assert summary["exported"] == {"from": "best", "step": step_of(best), "weights": "averaged"}
     assert exported(run_dir / MODEL_FILE)[0] == "averaged"
-    assert_holds(exported(run_dir / MODEL_FILE)[1], averages(last))
+    assert_holds(exported(run_dir / MODEL_FILE)[1], averages(best))
 
     # export.py: the averages by default, the trained weights when asked; each line says which.
     for number, (args, source, expected) in enumerate((
@@ -162,19 +167,20 @@ def test_model_pt_and_every_export_of_an_averaged_run_hold_its_averages(averaged
         target = tmp_path / f"export{number}.pt"
         export.main([str(run_dir), str(target), *args])
         which = "trained" if "trained" in args else "averaged"
-        step = int(source.name.split("-")[1])
         assert capsys.readouterr().out == (
-            f"wrote {target}: the {which} weights of {source} (step {step})\n")
+            f"wrote {target}: the {which} weights of {source} (step {step_of(source)})\n")
         assert exported(target)[0] == which
         assert_holds(exported(target)[1], expected)
 
-    # The run's own model.pt rewritten: with the trained weights, then the averages again;
-    # summary.json says each time what it holds.
-    for args, which, expected in ((["--weights", "trained"], "trained", trained),
-                                  ([], "averaged", averages(last))):
+    # The run's own model.pt rewritten: with the last trained weights, the last averages, then
+    # the best's again; summary.json says each time what it holds.
+    for args, origin, source, which, expected in (
+            (["--weights", "trained"], "last", last, "trained", trained),
+            ([], "last", last, "averaged", averages(last)),
+            (["--best"], "best", best, "averaged", averages(best))):
         export.main([str(run_dir), *args])
         assert json.loads((run_dir / "summary.json").read_text())["exported"] == {
-            "from": "last", "step": 8, "weights": which}
+            "from": origin, "step": step_of(source), "weights": which}
         assert exported(run_dir / MODEL_FILE)[0] == which
         assert_holds(exported(run_dir / MODEL_FILE)[1], expected)
 
@@ -199,6 +205,7 @@ def test_readers_name_their_weights_and_score_the_averages_the_run_validated(
         averaged_run, tmp_path, capsys, in_process):
     run_dir, _, _ = averaged_run
     step_4, last = list_checkpoints(run_dir / "checkpoints")
+    best = Path(json.loads((run_dir / "summary.json").read_text())["best_checkpoint"])
     logged = {record["step"]: record["val_loss"] for record in map(
         json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
@@ -216,24 +223,26 @@ def test_readers_name_their_weights_and_score_the_averages_the_run_validated(
     metrics, output = evaluated(step_4, "eval.weights=trained")
     assert abs(metrics["loss"] - logged[4]) > 1e-3
     assert f"evaluated the trained weights of {step_4} (step 4)" in output
-    # The run folder (its newest checkpoint) and its model.pt: the same averages.
-    by_folder, output = evaluated(run_dir)
+    # The newest checkpoint, and the run folder (its model.pt: the best's averages).
+    metrics, output = evaluated(run_dir / "checkpoints")
     assert f"evaluated the averaged weights of {last} (step 8)" in output
-    by_file, output = evaluated(run_dir / MODEL_FILE)
-    assert f"evaluated the averaged weights of {run_dir / MODEL_FILE} (step 8)" in output
-    assert by_file["loss"] == pytest.approx(by_folder["loss"], rel=1e-6)
-    assert by_folder["loss"] == pytest.approx(logged[8], rel=1e-6)
+    assert metrics["loss"] == pytest.approx(logged[8], rel=1e-6)
+    metrics, output = evaluated(run_dir)
+    model = run_dir / MODEL_FILE
+    assert f"evaluated the averaged weights of {model} (step {step_of(best)})" in output
+    assert metrics["loss"] == pytest.approx(logged[step_of(best)], rel=1e-6)
     with pytest.raises(UserError) as error:
-        evaluated(run_dir / MODEL_FILE, "eval.weights=trained")
+        evaluated(model, "eval.weights=trained")
     assert str(error.value) == (
-        f"eval.weights=trained: {run_dir / MODEL_FILE} holds the averaged weights only (a "
-        "model file holds one set): give the checkpoint it was written from, "
-        f"{last}, which holds both")
+        f"eval.weights=trained: {model} holds the averaged weights only (a model file holds "
+        f"one set): give the checkpoint it was written from, {best}")
 
     # sample.py: one line on stderr says which weights write the text.
-    for args, which in (([], "averaged"), (["--weights", "trained"], "trained")):
-        sample.main([str(run_dir), "--prompt", "abc", "--tokens", "3", *args])
-        assert capsys.readouterr().err == f"sampling the {which} weights of {last} (step 8)\n"
+    for given, args, said in (
+            (run_dir, [], f"the averaged weights of {model} (step {step_of(best)})"),
+            (step_4, ["--weights", "trained"], f"the trained weights of {step_4} (step 4)")):
+        sample.main([str(given), "--prompt", "abc", "--tokens", "3", *args])
+        assert capsys.readouterr().err == f"sampling {said}\n"
 
 
 @pytest.mark.slow
@@ -273,7 +282,7 @@ def test_a_resume_without_averaging_drops_the_averages_in_one_warning(averaged_r
     step_4 = list_checkpoints(run_dir / "checkpoints")[0]
     plain = tmp_path / "plain"
     resumed = run([sys.executable, "train.py", *settings, "train.ema_decay=0",
-                   f"train.resume={step_4}", f"run.dir={plain}"])
+                   "train.export=last", f"train.resume={step_4}", f"run.dir={plain}"])
     assert resumed.returncode == 0, resumed.stdout
     assert resumed.stdout.count(
         f"resuming without the averaged weights that {step_4} holds: train.ema_decay is off in "
