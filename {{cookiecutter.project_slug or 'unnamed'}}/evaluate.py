@@ -12,7 +12,7 @@ newest checkpoint; runs/<run>/checkpoints/step-N: that one). A checkpoint folder
 number of processes, DDP or FSDP) and a one-file model (model.pt, export.py) load alike, into
 the bare model on every rank. Which weights (docs/checkpoints.md, "Which weights"): a run that
 kept averaged weights (train.ema_decay) is scored on its averages, as its validation scored
-them; eval.weights=trained takes the trained ones; the last line names the weights scored. The
+them; eval.weights=trained takes the trained ones; the line that reports it names them. The
 model and the task come from the checkpoint (with the config it was trained with); data
 settings may be overridden (data that moved: `data.root=`), and so may the evaluation, speed
 and device settings. A `model.*` or `task.*` override that contradicts the checkpoint is an

@@ -17,8 +17,8 @@ ones. The line it prints says which it wrote. Writing the run's own model.pt rec
 and in the run's summary.json (`exported`).
 
 --format pt (the default) writes model.pt in the run folder (training also writes one at its
-end): the weights keyed by parameter name, the step and the config that builds the model; it
-loads with torch.load(weights_only=True):
+end): the weights keyed by parameter name, which weights they are, the step and the config that
+builds the model; it loads with torch.load(weights_only=True):
 
     state = torch.load("model.pt", weights_only=True)
     model.load_state_dict(state["model"])  # the bare model, as build_model makes it
@@ -131,10 +131,10 @@ def main(argv: list[str]) -> None:
         OmegaConf.update(cfg, key, value)
     run_dir = source.parent.parent if source.parent.name == "checkpoints" else source.parent
     target = Path(args.output) if args.output else run_dir / OUTPUTS[args.format]
-    which = weight_choice.choose(source, state, args.weights, f"--weights {args.weights}")
-    weights = weight_choice.read(source, state, which)
     if args.format == "hf":
         check_hugging_face_target(target)
+    which = weight_choice.choose(source, state, args.weights, f"--weights {args.weights}")
+    weights = weight_choice.read(source, state, which)
     if args.format == "pt":
         checkpoint.export_model(weights, target, state["step"], cfg, which)
         if target.resolve() == (run_dir / checkpoint_files.MODEL_FILE).resolve():
