@@ -91,7 +91,11 @@ def test_two_processes_train_the_gpt_and_log_loss_tokens_per_s_and_validation(ap
 
 def test_sample_continues_the_prompt_and_evaluate_scores_the_test_split(applied):
     _, _, run_dir, outputs = applied
-    sampled = outputs[2]  # --prompt "The model" --tokens 300: one character a token
+    # --prompt "The model" --tokens 300: one character a token, after sample.py's line (on
+    # stderr) that names the weights
+    said, sampled = outputs[2].split("\n", 1)
+    assert said == (f"sampling the trained weights of runs/{run_dir.name}/checkpoints/"
+                    "step-00000040 (step 40)")
     assert sampled.startswith("The model") and sampled.endswith("\n" + "-" * 40 + "\n")
     assert len(sampled) == len("The model") + 300 + 1 + 40 + 1
     assert "evaluating the newest run" in outputs[3]

@@ -71,7 +71,7 @@ def test_validation_every_10_steps_and_model_pt_from_the_best(applied):
     best_step = max(records, key=lambda r: (r["val_accuracy"], -r["step"]))["step"]
     assert Path(summary["best_checkpoint"]).name == f"step-{best_step:08d}"
     assert (run_dir / "checkpoints" / f"step-{best_step:08d}").is_dir()
-    assert summary["exported"] == {"from": "best", "step": best_step}
+    assert summary["exported"] == {"from": "best", "step": best_step, "weights": "trained"}
     assert torch.load(run_dir / "model.pt", weights_only=False)["step"] == best_step
 
 

@@ -10,12 +10,15 @@ exported (the best validation's weights); otherwise its newest intact checkpoint
 weights), and one line says which it took and how to take another (runs/<run>/checkpoints: the
 newest checkpoint; runs/<run>/checkpoints/step-N: that one). A checkpoint folder (saved by any
 number of processes, DDP or FSDP) and a one-file model (model.pt, export.py) load alike, into
-the bare model on every rank. The model and the task come from the checkpoint (with the config
-it was trained with); data settings may be overridden (data that moved: `data.root=`), and so
-may the evaluation, speed and device settings. A `model.*` or `task.*` override that
-contradicts the checkpoint is an error. Every rank evaluates its own block of the split and the
-metrics are computed once from all of them (evaluation.py), so every number (PR curves
-included) is the one a single process gives.
+the bare model on every rank. Which weights (docs/checkpoints.md, "Which weights"): a run that
+kept averaged weights (train.ema_decay) is scored on its averages, as its validation scored
+them; eval.weights=trained takes the trained ones; the line that reports it names them. The
+model and the task come from the checkpoint (with the config it was trained with); data
+settings may be overridden (data that moved: `data.root=`), and so may the evaluation, speed
+and device settings. A `model.*` or `task.*` override that contradicts the checkpoint is an
+error. Every rank evaluates its own block of the split and the metrics are computed once from
+all of them (evaluation.py), so every number (PR curves included) is the one a single process
+gives.
 Rank 0 writes, into <run>/eval-<split>/: metrics.json, curves.json, the task's plots,
 TensorBoard scalars and curves in tb/, and predictions.npz with eval.save_predictions=true.
 When the run was trained with a tracker on (tracking.*), the metrics (as <split>/<metric>) and
@@ -35,6 +38,7 @@ from ddpkit import (
     dist_utils,
     lifecycle,
     recipes,
+    weight_choice,
 )
 from ddpkit.checkpoint_files import MODEL_FILE
 from ddpkit.config import UserError, config_from_dict, given_keys, load_config
@@ -135,6 +139,8 @@ def main(argv: list[str]) -> None:
     try:
         with dist_utils.agree_on_errors():  # a bad checkpoint stops every rank, reported once
             state = checkpoint_load.load_checkpoint(source)
+            which = weight_choice.choose(source, state, cfg.eval.weights,
+                                         f"eval.weights={cfg.eval.weights}")
             run_cfg = evaluation_config(cfg, argv, state.get("config", {}), source)
             run_dir, out_dir = output_folder(cfg, source)
             # Rank 0's own work after the evaluation, checked before it: trackers, the folder.
@@ -148,14 +154,16 @@ def main(argv: list[str]) -> None:
             input_shape = task.input_shape(data.first_samples()[0])
             model = build_model(run_cfg.model, input_shape, task.num_outputs,
                                 task.model_inputs(data.sample_batch()))
-            checkpoint_load.load_model_weights(model, source, state)
+            checkpoint_load.load_model_weights(model, source,
+                                               weight_choice.read(source, state, which))
             # Precision and memory format from this call's speed settings (no compile).
             speed = resolve_speed(run_cfg, device, input_shape)
         result, seconds = evaluate(cfg, model, data, task, device, speed, supervisor)
         with dist_utils.agree_on_errors():  # a full disk on rank 0 stops every rank, once
             if env.is_main:
                 header = {"checkpoint": str(source), "step": state.get("step"),
-                          "split": cfg.eval.split, "task": run_cfg.task.name or data.splits.task,
+                          "weights": which, "split": cfg.eval.split,
+                          "task": run_cfg.task.name or data.splits.task,
                           "world_size": env.world_size}
                 written = write_outputs(folder, result, task, header, state.get("step") or 0,
                                         cfg.eval.split, cfg.eval.save_predictions)
@@ -163,8 +171,9 @@ def main(argv: list[str]) -> None:
         if folder is not None:
             folder.discard()
     if env.is_main:
-        log.info("evaluated %s on the %s split: %d samples, %d process(es), %.2fs", source,
-                 cfg.eval.split, result["num_samples"], env.world_size, seconds)
+        log.info("evaluated %s on the %s split: %d samples, %d process(es), %.2fs",
+                 weight_choice.describe(which, source, state.get("step")), cfg.eval.split,
+                 result["num_samples"], env.world_size, seconds)
         for line in summary_lines(result, task):
             log.info(line)
         log.info("wrote %s in %s", ", ".join(written), out_dir)

@@ -3,6 +3,7 @@
     python export.py runs/<run>                                   # its latest checkpoint
     python export.py runs/<run>/checkpoints/step-00000200 out.pt  # that one, to out.pt
     python export.py runs/<run> --best                            # its best validation's
+    python export.py runs/<run> --weights trained                 # not the averaged ones
     python export.py runs/<run> --format safetensors              # model.safetensors
     python export.py runs/<run> --format hf                       # hf-model/: save_pretrained
     python export.py runs/<run> --format hf data.root=/scratch/moved  # the run's data moved
@@ -10,9 +11,14 @@
 One process, no GPU and no process group needed: the checkpoint's shards (saved by any number of
 processes, DDP or FSDP) are read into whole tensors. The source may also be a model.pt.
 
+Which weights (docs/checkpoints.md, "Which weights"): a run that kept averaged weights
+(train.ema_decay) exports its averages, in every format; `--weights trained` takes the trained
+ones. The line it prints says which it wrote. Writing the run's own model.pt records them in it
+and in the run's summary.json (`exported`).
+
 --format pt (the default) writes model.pt in the run folder (training also writes one at its
-end): the weights keyed by parameter name, the step and the config that builds the model; it
-loads with torch.load(weights_only=True):
+end): the weights keyed by parameter name, which weights they are, the step and the config that
+builds the model; it loads with torch.load(weights_only=True):
 
     state = torch.load("model.pt", weights_only=True)
     model.load_state_dict(state["model"])  # the bare model, as build_model makes it
@@ -37,7 +43,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import ddpkit
-from ddpkit import checkpoint, checkpoint_files, checkpoint_load, lifecycle, recipes, report
+from ddpkit import (
+    checkpoint,
+    checkpoint_files,
+    checkpoint_load,
+    lifecycle,
+    recipes,
+    report,
+    weight_choice,
+    writes,
+)
 from ddpkit.config import UserError, config_from_dict, given_keys, load_config
 from ddpkit.data import DataModule
 from ddpkit.dist_utils import DistEnv
@@ -82,9 +97,16 @@ def arguments(argv: list[str]) -> argparse.Namespace:
                         help="the checkpoint of the run's best validation")
     parser.add_argument("--format", default="pt", metavar="|".join(OUTPUTS),
                         help="pt (default), safetensors, or hf (a Hugging Face model's folder)")
+    parser.add_argument("--weights", default="auto", metavar="|".join(weight_choice.CHOICES),
+                        help="auto (default): the averaged weights where the run kept them, "
+                        "else the trained ones; averaged; trained")
     args = parser.parse_intermixed_args(argv)  # --format and --best anywhere
-    if args.format not in OUTPUTS:  # (argparse's own wording of this differs between Pythons)
+    # (argparse's own wording of these differs between Pythons)
+    if args.format not in OUTPUTS:
         parser.error(f"--format {args.format} is not one of {', '.join(OUTPUTS)}")
+    if args.weights not in weight_choice.CHOICES:
+        parser.error(f"--weights {args.weights} is not one of "
+                     f"{', '.join(weight_choice.CHOICES)}")
     return args
 
 
@@ -111,16 +133,34 @@ def main(argv: list[str]) -> None:
     target = Path(args.output) if args.output else run_dir / OUTPUTS[args.format]
     if args.format == "hf":
         check_hugging_face_target(target)
+    which = weight_choice.choose(source, state, args.weights, f"--weights {args.weights}")
+    weights = weight_choice.read(source, state, which)
     if args.format == "pt":
-        weights = checkpoint_load.read_model(source) if source.is_dir() else state["model"]
-        checkpoint.export_model(weights, target, state["step"], cfg)
+        checkpoint.export_model(weights, target, state["step"], cfg, which)
+        if target.resolve() == (run_dir / checkpoint_files.MODEL_FILE).resolve():
+            record_export(run_dir, source, args.best, state["step"], which)
     else:
-        model, data = built_model(source, state, cfg)
+        model, data = built_model(source, weights, cfg)
         if args.format == "safetensors":
-            write_safetensors(model, target, state["step"], cfg)
+            write_safetensors(model, target, state["step"], cfg, which)
         else:
             write_hugging_face(model, data, target, cfg)
-    print(f"wrote {target}: the model of {source} (step {state['step']})")
+    print(f"wrote {target}: {weight_choice.describe(which, source, state['step'])}")
+
+
+def record_export(run_dir: Path, source: Path, best: bool, step: int, which: str) -> None:
+    """The run's summary.json says what its model.pt now holds (`exported`, as the end of
+    training writes it): from the best checkpoint, the last (the run's newest checkpoint) or
+    another checkpoint; which weights. Without a summary.json there is nothing to say it in."""
+    path = run_dir / report.SUMMARY_FILE
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    newest = checkpoint_files.list_checkpoints(run_dir / "checkpoints")[-1:]
+    origin = "best" if best else "last" if [source] == newest else "checkpoint"
+    summary["exported"] = {"from": origin, "step": step, "weights": which}
+    writes.write_text(path, json.dumps(summary, indent=1))
 
 
 def best_checkpoint(run_dir: Path) -> str:
@@ -135,9 +175,10 @@ def best_checkpoint(run_dir: Path) -> str:
     return str(run_dir / "checkpoints" / Path(best).name)  # the run folder may have moved
 
 
-def built_model(source: Path, state: dict, cfg: DictConfig) -> tuple[torch.nn.Module, DataModule]:
+def built_model(source: Path, weights: dict, cfg: DictConfig) -> tuple[torch.nn.Module,
+                                                                        DataModule]:
     """The bare model that the checkpoint's config builds (your recipe files, the run's data for
-    the input shape, as evaluate.py builds it), holding the checkpoint's weights."""
+    the input shape, as evaluate.py builds it), holding the chosen weights."""
     # The export's one line is its output: no progress bars of a Hugging Face model's loading
     # and saving (transformers reads this when a builder, or your model.py, imports it).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -145,18 +186,21 @@ def built_model(source: Path, state: dict, cfg: DictConfig) -> tuple[torch.nn.Mo
     data = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
     task = build_task(cfg, data.splits)
     model = build_model(cfg.model, task.input_shape(data.first_samples()[0]), task.num_outputs)
-    checkpoint_load.load_model_weights(model, source, state)
+    checkpoint_load.load_model_weights(model, source, weights)
     return model.eval(), data
 
 
-def write_safetensors(model: torch.nn.Module, target: Path, step: int, cfg: DictConfig) -> None:
-    """The weights keyed by parameter name, with the step, the release and the config (JSON) as
-    metadata. safetensors stores no shared tensors: save_model writes a tied weight (model.name=
-    gpt's head.weight, the token embedding's) once and records each dropped name in the
-    metadata, mapped to the name it kept; safetensors.torch.load_model restores both."""
+def write_safetensors(model: torch.nn.Module, target: Path, step: int, cfg: DictConfig,
+                      which: str) -> None:
+    """The weights keyed by parameter name, with the step, which weights (averaged or trained),
+    the release and the config (JSON) as metadata. safetensors stores no shared tensors:
+    save_model writes a tied weight (model.name=gpt's head.weight, the token embedding's) once
+    and records each dropped name in the metadata, mapped to the name it kept;
+    safetensors.torch.load_model restores both."""
     from safetensors.torch import save_model
 
-    metadata = {"format": "pt", "step": str(step), "template_version": ddpkit.__version__,
+    metadata = {"format": "pt", "step": str(step), "weights": which,
+                "template_version": ddpkit.__version__,
                 "config": json.dumps(OmegaConf.to_container(cfg))}
     written_in_place(target, lambda path: save_model(model, str(path), metadata))
 

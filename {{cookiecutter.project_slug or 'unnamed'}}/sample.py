@@ -12,7 +12,9 @@ sees. Any model that returns the logits of every position works (model.name=gpt,
 tensor, a (logits, loss) pair or a Hugging Face causal-LM output). A folder written by a Hugging
 Face model's save_pretrained (config.json) is loaded with its tokenizer, saved to the same
 folder (the transformers extra). The same seed writes the same text. Each continuation is
-printed whole, prompt first, followed by a line of dashes.
+printed whole, prompt first, followed by a line of dashes. Which weights (docs/checkpoints.md,
+"Which weights"): a run that kept averaged weights (train.ema_decay) samples from its averages;
+`--weights trained` takes the trained ones. One line on stderr says which (stdout is the text).
 """
 
 import argparse
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ddpkit import checkpoint_files, checkpoint_load, lifecycle, recipes
+from ddpkit import checkpoint_files, checkpoint_load, lifecycle, recipes, weight_choice
 from ddpkit.config import UserError, config_from_dict
 from ddpkit.data import build_splits
 from ddpkit.evaluation import run_folder_choice
@@ -47,6 +49,9 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=whole("--seed", 0, 2**64 - 1), default=0)
     parser.add_argument("--samples", type=whole("--samples", 1), default=1,
                         help="continuations (default 1)")
+    parser.add_argument("--weights", default="auto", choices=weight_choice.CHOICES,
+                        help="auto (default): the averaged weights where the run kept them, "
+                        "else the trained ones")
     return parser.parse_args(argv)
 
 
@@ -79,14 +84,16 @@ def temperature(text: str) -> float:
     return value
 
 
-def load(spec: str):
-    """The model of a run folder, checkpoint or model file, with its vocabulary and context."""
+def load(spec: str, weights: str = "auto"):
+    """The model of a run folder, checkpoint or model file (with the weights asked for, said on
+    stderr), with its vocabulary and context."""
     path = Path(spec)
     if (path / "config.json").is_file():  # a Hugging Face model's own folder
         return load_pretrained(path)
     chosen = run_folder_choice(path)[0] if (path / "checkpoints").is_dir() else path
     source = checkpoint_files.find_checkpoint(str(chosen))
     state = checkpoint_load.load_checkpoint(source)
+    which = weight_choice.choose(source, state, weights, f"--weights {weights}")
     cfg = config_from_dict(state.get("config", {}), f"config stored in {source}")
     splits = build_splits(cfg)
     meta = getattr(splits.train, "meta", None)
@@ -96,8 +103,11 @@ def load(spec: str):
     task = build_task(cfg, splits)
     input_shape = task.input_shape(splits.val[0])
     model = build_model(cfg.model, input_shape, task.num_outputs)
-    checkpoint_load.load_model_weights(model, source, state)
-    return model.eval(), Vocabulary(meta), input_shape[0]
+    checkpoint_load.load_model_weights(model, source, weight_choice.read(source, state, which))
+    vocabulary = Vocabulary(meta)
+    print(f"sampling {weight_choice.describe(which, source, state.get('step'))}",
+          file=sys.stderr, flush=True)
+    return model.eval(), vocabulary, input_shape[0]
 
 
 def load_pretrained(folder: Path):
@@ -131,7 +141,7 @@ def check_vocabulary(model: torch.nn.Module, prompt: torch.Tensor, context: int,
 def main(argv: list[str]) -> None:
     args = arguments(argv)
     recipes.load()  # your model.py, data_sources.py and tasks.py add to the registries
-    model, vocabulary, context = load(args.source)
+    model, vocabulary, context = load(args.source, args.weights)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     prompt = torch.tensor([vocabulary.encode(args.prompt)], device=device)

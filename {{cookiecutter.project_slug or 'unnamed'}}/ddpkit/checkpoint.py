@@ -3,7 +3,8 @@
 
 A checkpoint holds everything training needs to continue exactly: the model (keys without
 `module.` / `_orig_mod.`), optimizer, LR schedule, loss scaler, the running training statistics,
-the position (step, epoch, step within it), every rank's random generators and the config. Every
+the position (step, epoch, step within it), every rank's random generators, the config, and
+which of its parts a reader must understand (`requires`, checkpoint_files.REQUIRED_PARTS). Every
 rank writes its part (torch.distributed.checkpoint), into a hidden folder renamed into place when
 all parts are on disk; the newest `train.keep_checkpoints` are kept, and the best validation's
 (train.keep_best) beside them. It loads at any process count, with either strategy (DDP or FSDP):
@@ -38,6 +39,7 @@ from ddpkit.checkpoint_files import (
     SHARDED_PARTS,
     STATE_FILE,
     list_checkpoints,
+    requirements,
     write_manifest,
 )
 from ddpkit.checkpoint_load import cause_of, clean_state_dict, one_line
@@ -148,7 +150,7 @@ class Checkpointer:
         small.update(format_version=FORMAT_VERSION, template_version=__version__,
                      step=position.step, epoch=position.epoch,
                      step_in_epoch=position.step_in_epoch, world_size=env.world_size, rng=rngs,
-                     config=OmegaConf.to_container(cfg))
+                     config=OmegaConf.to_container(cfg), requires=requirements(parts))
         sharded = {name: parts[name].state_dict() for name in SHARDED_PARTS
                    if parts.get(name) is not None}
         path = self.folder / f"step-{position.step:08d}"
@@ -290,11 +292,13 @@ def _remove_unless_held(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def export_model(model_state: dict, path: Path, step: int, cfg: DictConfig) -> None:
-    """The whole model's weights in one file, with the config that builds the model: loads with
+def export_model(model_state: dict, path: Path, step: int, cfg: DictConfig,
+                 weights: str) -> None:
+    """The whole model's weights in one file, with the config that builds the model and which
+    weights they are (`weights`: averaged or trained, docs/checkpoints.md): loads with
     torch.load(weights_only=True) into the bare model (rank 0 writes it)."""
     state = {"format": EXPORT_FORMAT, "model": clean_state_dict(model_state), "step": step,
-             "config": OmegaConf.to_container(cfg)}
+             "weights": weights, "config": OmegaConf.to_container(cfg)}
     try:
         write_atomically(state, path)
     except OSError as error:

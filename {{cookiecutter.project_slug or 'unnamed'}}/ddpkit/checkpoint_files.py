@@ -14,8 +14,9 @@ The layout:
                                      own shards, with DDP each rank a share of the (replicated)
                                      tensors. DCP loads them at any process count and strategy.
       state.pt                       the rest, small (position, LR schedule, loss scaler, training
-                                     statistics, every rank's random generators, the config),
-                                     written by rank 0
+                                     statistics, every rank's random generators, the config, the
+                                     parts a reader must understand: `requires`), written by
+                                     rank 0
       manifest.json                  every file's size and checksum, written last by rank 0:
                                      verified before a checkpoint is read
   model.pt                         the final weights in one file (export.py makes one from any
@@ -30,6 +31,7 @@ import os
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from omegaconf import DictConfig
@@ -48,7 +50,8 @@ SHARDED_PARTS = ("model", "optimizer", "ema")
 # The checkpoint format, recorded in state.pt as `format_version`, beside `template_version` (the
 # template release that wrote it, ddpkit.__version__); CHANGELOG.md lists each format and its
 # change. 1 (no entry): written by release 1.0.0 or before, with or without a manifest; 2 (release
-# 1.1.0): always with its manifest. checkpoint_load.migrate brings an older one up to this format.
+# 1.1.0): always with its manifest, and `requires` (REQUIRED_PARTS; none where a state.pt written
+# before it has no such entry). checkpoint_load.migrate brings an older one up to this format.
 FORMAT_VERSION = 2
 
 
@@ -59,6 +62,30 @@ OLDEST_FORMAT = 1
 
 
 PRE_RELEASE_FORMAT = 0
+
+
+class RequiredPart(NamedTuple):
+    release: str  # the template release that first wrote it
+    what: str  # what it holds, for the one line a reader says about it
+    setting: str  # the setting that makes a run keep it (a run without it drops it)
+
+
+# The parts beyond the model and the optimizer that a reader must understand, since one that
+# does not would drop them without a word (release 1.0.0 resumes a checkpoint of averaged weights
+# without them). A checkpoint names those it holds in its state.pt's `requires`, each with the
+# release that first wrote it, and a reader whose engine does not know one refuses the
+# checkpoint in one line (checkpoint_load.check_requires). A part added by a later release goes
+# here; the format version changes only when a reader must migrate what it reads.
+REQUIRED_PARTS = {
+    "ema": RequiredPart("1.1.0", "the averaged weights", "train.ema_decay"),
+    "guard": RequiredPart("1.1.0", "the step guard's recent losses", "guard.enabled"),
+}
+
+
+def requirements(parts: dict) -> dict[str, str]:
+    """A checkpoint's `requires`: each part of REQUIRED_PARTS it holds, with its release."""
+    return {name: part.release for name, part in REQUIRED_PARTS.items()
+            if parts.get(name) is not None}
 
 
 STATE_FILE = "state.pt"

@@ -24,6 +24,7 @@ from ddpkit.checkpoint_files import (
     FORMAT_VERSION,
     OLDEST_FORMAT,
     PRE_RELEASE_FORMAT,
+    REQUIRED_PARTS,
     SHARDED_PARTS,
     STATE_FILE,
 )
@@ -144,7 +145,11 @@ def load_checkpoint(path: Path, map_location="cpu", resuming: bool = False) -> d
         ) from None
     if not isinstance(state, dict) or ("model" not in state and "step" not in state):
         raise UserError(f"{file} is not a checkpoint of this project (no 'model' entry)")
-    return migrate(state, path, resuming) if file.name == STATE_FILE else state
+    if file.name != STATE_FILE:
+        return state
+    state = migrate(state, path, resuming)
+    check_requires(state, path)
+    return state
 
 
 # Formats older than OLDEST_FORMAT: what changed since, which this engine cannot undo, for the
@@ -189,6 +194,38 @@ def migrate(state: dict, path: Path, resuming: bool = False) -> dict:
     for version in range(max(found, OLDEST_FORMAT), FORMAT_VERSION):
         state = MIGRATIONS[version](state)
     return state
+
+
+def check_requires(state: dict, path: Path) -> None:
+    """The parts a checkpoint says a reader must understand (its `requires`: part -> the
+    release that first wrote it), each known to this engine; one that is not is refused in one
+    line, where a reader that did not look would drop it."""
+    requires = state.get("requires", {})
+    if not isinstance(requires, dict) or not all(
+            isinstance(name, str) and isinstance(release, str)
+            for name, release in requires.items()):
+        raise UserError(f"cannot load checkpoint {path}: its {STATE_FILE} holds a `requires` "
+                        f"entry no template release wrote ({requires!r}): the file is damaged; "
+                        "give an earlier checkpoint of the run")
+    unknown = {name: release for name, release in requires.items()
+               if name not in REQUIRED_PARTS}
+    if not unknown:
+        return
+    names = " and ".join(f"'{name}'" for name in unknown)
+    needed = max(unknown.values(), key=_release_order)
+    raise UserError(
+        f"cannot load checkpoint {path}: it holds {'parts' if len(unknown) > 1 else 'a part'} "
+        f"{names}, written by template release {needed}, which this engine (release "
+        f"{__version__}) does not know and would drop: update the project to release {needed} "
+        "or a later one (cruft update, docs/updates.md), or read the checkpoint with the "
+        "project that wrote it")
+
+
+def _release_order(release: str) -> tuple:
+    """A release number (1.10.0) as numbers to compare; anything else after them."""
+    parts = release.split(".")
+    return tuple(int(part) for part in parts) if all(p.isdigit() for p in parts) else (
+        float("inf"), release)
 
 
 def _format_1_to_2(state: dict) -> dict:
@@ -269,9 +306,48 @@ def read_model(path: Path) -> dict:
     return read_tensors(path, "model")
 
 
-def load_model_weights(model: torch.nn.Module, source: Path, state: dict) -> None:
-    """A checkpoint's (or a model export's) weights into the bare model, on this process alone."""
-    weights = read_model(source) if source.is_dir() else state["model"]
+def saved_parts(path: Path) -> set[str]:
+    """The parts whose tensors a checkpoint folder holds: model, optimizer, and ema where its
+    run kept averaged weights."""
+    return _parts_in(_read_metadata(path))
+
+
+def _parts_in(metadata: Metadata) -> set[str]:
+    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+def read_weights(path: Path, averaged: bool) -> dict:
+    """A checkpoint folder's whole model state, keyed by name: as trained (its `model` part), or
+    with its averaged weights (its `ema` part) in place of the trained parameters."""
+    weights = read_model(path)
+    return with_averages(weights, read_tensors(path, "ema")) if averaged else weights
+
+
+def with_averages(weights: dict, averages: dict) -> dict:
+    """A model's state with the averages in place of its trained parameters; its buffers (and
+    any frozen parameter) as they are. The averages are keyed as named_parameters() lists the
+    parameters, a shared one once (the GPT's head.weight is its token_embedding.weight): a key
+    without an average of its own whose trained tensor equals an averaged key's, bit for bit,
+    is that parameter under its other name (a shared parameter's keys always hold the same
+    tensor) and takes its average too, or loading would put the trained one back."""
+    averaged = {**weights, **averages}
+    for name, tensor in weights.items():
+        if name in averages:
+            continue
+        twin = next((other for other in averages if _same(weights[other], tensor)), None)
+        if twin is not None:
+            averaged[name] = averages[twin]
+    return averaged
+
+
+def _same(one: torch.Tensor, other: torch.Tensor) -> bool:
+    return (one.shape == other.shape and one.dtype == other.dtype
+            and torch.equal(one, other))
+
+
+def load_model_weights(model: torch.nn.Module, source: Path, weights: dict) -> None:
+    """Weights read from `source` (a checkpoint or a model export) into the bare model, on this
+    process alone."""
     try:
         model.load_state_dict(weights)
     except RuntimeError as error:  # missing / unexpected keys, shape mismatch
@@ -284,7 +360,10 @@ def restore_parts(source: Path, parts: dict, env: DistEnv) -> Position:
     load_state_dict(), or None), on every rank (collective); returns the position."""
     state = load_checkpoint(source, resuming=True)
     metadata = _read_metadata(source)
-    saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    saved = _parts_in(metadata)
+    if env.is_main:
+        for line in dropped_parts(source, state, saved, parts):
+            log.warning(line)
     targets = {name: parts[name].state_dict() for name in SHARDED_PARTS
                if parts.get(name) is not None and (name in saved or name != "ema")}
     _check_keys(source, metadata, targets)
@@ -309,3 +388,22 @@ def restore_parts(source: Path, parts: dict, env: DistEnv) -> Position:
                     "(dropout) start afresh", state.get("world_size", "?"), env.world_size,
                     position.step)
     return position
+
+
+def dropped_parts(source: Path, state: dict, saved: set[str], parts: dict) -> list[str]:
+    """One line for each part a checkpoint holds that this run does not keep (its setting off:
+    the user's choice), which a resume drops."""
+    held = set(state.get("requires") or ()) | (saved & REQUIRED_PARTS.keys()) | {
+        name for name in REQUIRED_PARTS if state.get(name) is not None}
+    lines = []
+    for name in sorted(held & REQUIRED_PARTS.keys()):
+        if parts.get(name) is not None:
+            continue
+        part = REQUIRED_PARTS[name]
+        then = state.get("config", {})
+        for key in part.setting.split("."):
+            then = then.get(key) if isinstance(then, dict) else None
+        lines.append(f"resuming without {part.what} that {source} holds: {part.setting} is off "
+                     f"in this run, so they are dropped ({part.setting}={str(then).lower()} "
+                     "keeps them)")
+    return lines

@@ -223,10 +223,22 @@ def warmup_kept(cfg: DictConfig, given: list[str]) -> str | None:
             "(optim.warmup_steps=0 for none)")
 
 
+# Deprecated, removed in release 2.0.0 (CHANGELOG.md): train.export=ema, which the rule of
+# docs/checkpoints.md ("Which weights") made the same as train.export=last.
+def deprecated_settings(cfg: DictConfig) -> str | None:
+    """One line for a deprecated value, naming what to write instead."""
+    if cfg.train.export == "ema":
+        return ("train.export=ema is deprecated (removed in release 2.0.0): a run that keeps "
+                "averaged weights exports them with train.export=last, the default; write that")
+    return None
+
+
 def notes_at_start(cfg: DictConfig, given: list[str]) -> list[str]:
     """What a run says once as it starts (rank 0) about settings that may not be what was
-    meant: a kept warmup, a setting of settings.py named like one of the template's."""
-    return [note for note in (warmup_kept(cfg, given), *names_near_the_templates()) if note]
+    meant: a kept warmup, a setting of settings.py named like one of the template's, a
+    deprecated value."""
+    return [note for note in (warmup_kept(cfg, given), *names_near_the_templates(),
+                              deprecated_settings(cfg)) if note]
 
 
 def accumulation_steps(cfg: DictConfig, world_size: int) -> int:

@@ -228,11 +228,11 @@ def scalars(result: dict) -> dict:
 
 
 def run_folder_choice(run_dir: Path) -> tuple[Path, str]:
-    """What evaluating a run folder takes (evaluate.py eval.checkpoint=<run>, and the hint at
-    the end of training), and which weights those are: the model a finished run exported with
-    train.export=best (model.pt, the best validation's weights: the run's result); else the run
-    folder itself, whose newest intact checkpoint holds the last weights (what model.pt holds
-    too once the run has finished with train.export=last)."""
+    """What evaluating a run folder takes (evaluate.py eval.checkpoint=<run>, sample.py, and the
+    hint at the end of training), and which step's weights those are: the model a finished run
+    exported from its best validation (model.pt: the run's result); else the run folder itself,
+    whose newest intact checkpoint holds the last weights (averaged or trained, as the reader
+    chooses: weight_choice)."""
     run_dir = Path(run_dir)
     summary = {}
     with contextlib.suppress(OSError, ValueError):
@@ -241,8 +241,6 @@ def run_folder_choice(run_dir: Path) -> tuple[Path, str]:
     model = run_dir / MODEL_FILE
     if summary.get("status") == "done" and exported.get("from") == "best" and model.is_file():
         return model, f"the best validation's weights, step {exported['step']}"
-    if summary.get("status") == "done" and exported.get("from") == "ema" and model.is_file():
-        return model, f"the averaged weights, step {exported['step']}"
     return run_dir, "the last weights"
 
 

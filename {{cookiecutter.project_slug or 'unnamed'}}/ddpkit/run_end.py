@@ -7,10 +7,9 @@ import json
 import logging
 from pathlib import Path
 
-from ddpkit import checkpoint, dist_utils, report, supervisor, writes
+from ddpkit import checkpoint, dist_utils, report, supervisor, weight_choice, writes
 from ddpkit.blocks import compile_seconds
 from ddpkit.checkpoint_files import MODEL_FILE
-from ddpkit.checkpoint_load import read_model, read_tensors
 from ddpkit.evaluation import run_folder_choice
 from ddpkit.parallel import ModelState
 from ddpkit.run_state import Run
@@ -61,8 +60,9 @@ def end_run(run: Run) -> None:
     log.info(run.training_log.describe_throughput())
     if run.speed.compile and (seconds := compile_seconds()) is not None:
         log.info("torch.compile: %.1f s spent compiling (rank 0)", seconds)
-    log.info("done: checkpoints in %s, the final model in %s, TensorBoard logs in %s",
-             run.run_dir / "checkpoints", run.run_dir / MODEL_FILE, run.run_dir / "tb")
+    log.info("done: checkpoints in %s, the final model (%s weights, step %d) in %s, TensorBoard "
+             "logs in %s", run.run_dir / "checkpoints", run.exported["weights"],
+             run.exported["step"], run.run_dir / MODEL_FILE, run.run_dir / "tb")
     if run.env.is_main:  # what evaluate.py takes for the run folder (it reads summary.json)
         target, weights = run_folder_choice(run.run_dir)
         log.info("evaluate with: ./run.sh evaluate.py eval.checkpoint=%s (its %s: %s)",
@@ -112,29 +112,30 @@ def save_and_export(run: Run) -> None:
 
 
 def export(run: Run) -> None:
-    """The final model as one file (collective: with FSDP the shards are gathered): the last
-    weights, the averaged ones (train.export=ema) or the best validation's checkpoint
-    (train.export=best), read from disk."""
+    """The final model as one file (collective: with FSDP the shards are gathered): the run's
+    weights (its averages, with train.ema_decay: docs/checkpoints.md, "Which weights") of the
+    last step, or of the best validation's checkpoint (train.export=best), read from disk."""
     best = run.validation.best_checkpoint(run.run_dir)
     if run.cfg.train.export == "best" and best is None:
         log.warning("train.export=best but no validation ran: model.pt holds the last weights")
     if run.cfg.train.export == "best" and best is not None:
-        run.exported = {"from": "best", "step": run.validation.best["step"]}
         with dist_utils.agree_on_errors():
+            which = weight_choice.choose(Path(best), {}, "auto", "train.export=best")
+            run.exported = {"from": "best", "step": run.validation.best["step"],
+                            "weights": which}
             if run.env.is_main:
-                weights = read_model(Path(best))
-                if run.ema is not None:  # validation judged the averaged weights: those
-                    weights.update(read_tensors(Path(best), "ema"))
-                checkpoint.export_model(weights, run.run_dir / MODEL_FILE,
-                                        run.exported["step"], run.cfg)
+                checkpoint.export_model(weight_choice.read(Path(best), {}, which),
+                                        run.run_dir / MODEL_FILE, run.exported["step"],
+                                        run.cfg, which)
         return
-    averaged = run.cfg.train.export == "ema"
-    run.exported = {"from": "ema" if averaged else "last", "step": run.position.step}
-    with run.averaged_weights() if averaged else contextlib.nullcontext():
+    averaged = run.ema is not None  # (train.export=ema: the same, deprecated)
+    run.exported = {"from": "last", "step": run.position.step,
+                    "weights": weight_choice.AVERAGED if averaged else weight_choice.TRAINED}
+    with run.averaged_weights():
         weights = ModelState(run.model, whole=True).state_dict()
         if averaged:  # (on a CPU the dict may hold the parameters themselves: swapped back next)
             weights = {name: tensor.clone() for name, tensor in weights.items()}
     with dist_utils.agree_on_errors():
         if run.env.is_main:
             checkpoint.export_model(weights, run.run_dir / MODEL_FILE,
-                                    run.position.step, run.cfg)
+                                    run.position.step, run.cfg, run.exported["weights"])

@@ -58,7 +58,8 @@ class Run:
     buckets_settled: bool = False  # resumed: see epoch_steps
     evaluated: torch.nn.Module | None = None  # parallel.for_evaluation's, when compiling
     validation: object = None  # validation.Validation: the cadence, the best, early stopping
-    exported: dict | None = None  # which weights model.pt holds: {"from": last | best, "step"}
+    # What model.pt holds: {"from": last | best, "step", "weights": averaged | trained}
+    exported: dict | None = None
     replicas: object = None  # extras.replicas.groups.ReplicaGroups: one of torchft's replica groups
     # A step of the extras' own in place of train_step (replica groups: each update voted on)
     train_step: Callable | None = None

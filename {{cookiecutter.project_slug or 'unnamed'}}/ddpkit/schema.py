@@ -220,11 +220,12 @@ class TrainConfig:
     early_stop_min_delta: float = setting(0.0, "The least change of best_metric that counts as "
                                           "an improvement.", at_least=0,
                                           acts_with=("train.early_stop_patience",))
-    export: str = setting("last", "The weights model.pt is written from at the end: the last "
-                          "step's, the best checkpoint's, or the averaged ones (ema).",
-                          choices=("last", "best", "ema"))
+    export: str = setting("last", "What model.pt holds at the end: the last step's weights or "
+                          "the best checkpoint's (averaged where the run keeps averages); ema: "
+                          "deprecated, as last.", choices=("last", "best", "ema"))
     ema_decay: float = setting(0.0, "Keep an average of the weights, each step moving 1 - this "
-                               "of the way to them (e.g. 0.999); validation scores it. 0: off.",
+                               "of the way to them (e.g. 0.999): the run's weights then, which "
+                               "validation scores and model.pt holds. 0: off.",
                                at_least=0, below=1)
 
 
@@ -347,6 +348,9 @@ class EvalConfig:
     checkpoint: str = setting("", "A run folder, a checkpoint folder or a model.pt; empty: the "
                               "newest run.")
     split: str = setting("test", "The split evaluated.", choices=("test", "val"))
+    weights: str = setting("auto", "Which weights: auto, the run's own (the averaged ones where "
+                           "it kept them, train.ema_decay); averaged; trained.",
+                           choices=("auto", "averaged", "trained"))
     batch_size: int = setting(256, "Samples per process; evaluation has no global batch.",
                               above=0)
     output_dir: str = setting("", "Where the results go; empty: <run folder>/eval-<split>.")

@@ -15,7 +15,7 @@ import torch
 from test_checkpoints import a_checkpoint
 
 from conftest import TINY, run
-from ddpkit import checkpoint, checkpoint_files, checkpoint_load
+from ddpkit import checkpoint, checkpoint_files, checkpoint_load, weight_choice
 from ddpkit.checkpoint_files import MANIFEST_FILE, list_checkpoints, verified
 from ddpkit.config import UserError
 
@@ -209,7 +209,8 @@ def test_training_does_not_prune_the_checkpoint_evaluate_is_reading(tmp_path):
     a_run(run_dir, 3)  # between the two reads, training saves a checkpoint and prunes
     checkpoint.prune_checkpoints(folder, keep=1)
     model = Bare()
-    checkpoint_load.load_model_weights(model, source, state)
+    which = weight_choice.choose(source, state, "auto", "eval.weights=auto")  # as they read
+    checkpoint_load.load_model_weights(model, source, weight_choice.read(source, state, which))
     assert torch.equal(model.w.detach(), torch.ones(3))
     assert [path.name for path in list_checkpoints(folder)] == ["step-00000002", "step-00000003"]
     checkpoint_files.release(source)  # the reader is done: the next save prunes it

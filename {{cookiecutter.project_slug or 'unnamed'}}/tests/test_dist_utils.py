@@ -76,7 +76,7 @@ def test_state_dict_keys_carry_no_wrapper_prefixes():
 
 def test_save_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.pt"
-    checkpoint.export_model({"w": torch.ones(2)}, path, 1, OmegaConf.create())
+    checkpoint.export_model({"w": torch.ones(2)}, path, 1, OmegaConf.create(), "trained")
 
     def write_half_then_fail(obj, handle):
         handle.write(b"PK\x03\x04 partial bytes")
@@ -84,7 +84,7 @@ def test_save_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
 
     monkeypatch.setattr(writes.torch, "save", write_half_then_fail)
     with pytest.raises(UserError, match=f"cannot write {path}: disk full"):
-        checkpoint.export_model({"w": torch.zeros(2)}, path, 2, OmegaConf.create())
+        checkpoint.export_model({"w": torch.zeros(2)}, path, 2, OmegaConf.create(), "trained")
     assert torch.equal(checkpoint_load.load_checkpoint(path)["model"]["w"], torch.ones(2))
     assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left behind
 
@@ -93,7 +93,7 @@ def test_missing_truncated_and_foreign_checkpoints(tmp_path):
     with pytest.raises(UserError, match="checkpoint not found"):
         checkpoint_load.load_checkpoint(tmp_path / "nope.pt")
     good = tmp_path / "good.pt"
-    checkpoint.export_model({"w": torch.ones(1000)}, good, 1, OmegaConf.create())
+    checkpoint.export_model({"w": torch.ones(1000)}, good, 1, OmegaConf.create(), "trained")
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     with pytest.raises(UserError, match="truncated or not a PyTorch checkpoint"):

@@ -24,7 +24,8 @@ GPT = ["data.dataset=tokens", "data.block_size=16", "model.name=gpt", "model.hid
        "model.num_layers=1", "model.dropout=0", "train.global_batch_size=4", "train.max_steps=4",
        "parallel.strategy=fsdp", "train.progress_bar=false", "train.plot_curves=false",
        "train.limit_val_batches=2", "train.estimate_windows=8"]
-USAGE = "(usage: python export.py [-h] [--best] [--format pt|safetensors|hf] source [output])"
+USAGE = ("(usage: python export.py [-h] [--best] [--format pt|safetensors|hf] [--weights "
+         "auto|averaged|trained] source [output])")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,8 @@ def test_an_fsdp_checkpoint_exports_to_safetensors_that_reload_with_equal_output
     result = run([sys.executable, "export.py", str(fsdp_gpt), "--format", "safetensors"])
     assert result.returncode == 0, result.stdout
     target, latest = fsdp_gpt / "model.safetensors", fsdp_gpt / "checkpoints" / "step-00000004"
-    assert result.stdout.splitlines() == [f"wrote {target}: the model of {latest} (step 4)"]
+    assert result.stdout.splitlines() == [
+        f"wrote {target}: the trained weights of {latest} (step 4)"]
     assert target.stat().st_mode & 0o044 == 0o044  # readable by others, as model.pt is
     weights = torch.load(fsdp_gpt / "model.pt", weights_only=True)["model"]
     with safe_open(target, "pt") as file:
@@ -135,7 +137,8 @@ def test_a_hugging_face_model_exports_a_folder_that_from_pretrained_opens(tmp_pa
     folder = run_dir / "hf-model"
     # (Its last line: with torchao installed, transformers imports it, which warns first.)
     assert result.stdout.splitlines()[-1] == (
-        f"wrote {folder}: the model of {run_dir / 'checkpoints' / 'step-00000003'} (step 3)")
+        f"wrote {folder}: the trained weights of {run_dir / 'checkpoints' / 'step-00000003'} "
+        "(step 3)")
     with pytest.raises(UserError) as error:  # a folder of something else: never replaced
         export.main([str(run_dir), str(tmp_path), "--format", "hf"])
     assert str(error.value) == (f"{tmp_path} exists and is not a Hugging Face model's folder: "

@@ -399,8 +399,10 @@ def test_sample_py_writes_text_from_the_trained_model(trained_lm, tmp_path):
     sampled = run([sys.executable, "sample.py", str(run_dir / "model.pt"), "--prompt", "The ",
                    "--tokens", "50", "--seed", "3", "--top-k", "10"])
     assert sampled.returncode == 0, sampled.stdout
-    assert sampled.stdout.startswith("The ") and sampled.stdout.endswith("\n" + "-" * 40 + "\n")
-    assert len(sampled.stdout) == len("The ") + 50 + 1 + 40 + 1
+    said, text = sampled.stdout.split("\n", 1)  # which weights (stderr), then the text
+    assert said == f"sampling the trained weights of {run_dir / 'model.pt'} (step 30)"
+    assert text.startswith("The ") and text.endswith("\n" + "-" * 40 + "\n")
+    assert len(text) == len("The ") + 50 + 1 + 40 + 1
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     nothing = run([sys.executable, "sample.py", str(tmp_path / "empty")])
     assert (nothing.returncode, nothing.stdout) == (

@@ -100,7 +100,7 @@ def test_step_cadence_keeps_the_best_beside_the_newest_and_exports_it(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     best = run_dir / "checkpoints" / "step-00000007"
     assert summary["best_checkpoint"] == str(best)
-    assert summary["exported"] == {"from": "best", "step": 7}
+    assert summary["exported"] == {"from": "best", "step": 7, "weights": "trained"}
     assert summary["stopped_early"] is False
     exported = torch.load(run_dir / "model.pt", weights_only=True)
     assert exported["step"] == 7
@@ -113,7 +113,7 @@ def test_step_cadence_keeps_the_best_beside_the_newest_and_exports_it(tmp_path):
     again = run([sys.executable, "export.py", str(run_dir), str(tmp_path / "best.pt"),
                  "--best"])
     assert again.returncode == 0, again.stdout
-    assert f"the model of {best} (step 7)" in again.stdout
+    assert f"the trained weights of {best} (step 7)" in again.stdout
     last = run([sys.executable, "export.py", str(run_dir), str(tmp_path / "last.pt")])
     assert last.returncode == 0 and "(step 57)" in last.stdout, last.stdout
 
@@ -144,7 +144,7 @@ def test_early_stopping_ends_the_run_and_exports_the_last_weights(tmp_path):
         result.stdout)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_early"] is True and summary["step"] == 10
-    assert summary["exported"] == {"from": "last", "step": 10}
+    assert summary["exported"] == {"from": "last", "step": 10, "weights": "trained"}
     assert [r["step"] for r in epoch_records(run_dir)] == [5, 10]
     # Run again, it stays stopped: nothing is trained or written anew.
     again = run([sys.executable, "train.py", *TINY, "train.val_every_steps=5",
