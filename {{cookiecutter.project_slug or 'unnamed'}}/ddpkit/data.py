@@ -371,6 +371,23 @@ class DataModule:
         """Seeds of the worker processes: distinct for every (run.seed, epoch, rank)."""
         return (self.cfg.run.seed * 1_000_003 + epoch) * 1_009 + self.train_env.rank
 
+    def smallest_micro_batch(self) -> int:
+        """The fewest samples a training micro-batch of any rank holds: the micro-batch size,
+        or fewer in an epoch's last step, where what is left of the split does not fill it
+        (unless the builder asked for drop_last, or train.limit_train_batches stops before)."""
+        if self.streamed:
+            plan = self.train_stream.plan
+            if plan.limit < plan.steps:
+                return self.micro_batch_size
+            shares = [TrainPlan(plan.samples, plan.batch, plan.world, rank, plan.micro_batches,
+                                self.drop_last).step_chunks(plan.steps - 1)
+                      for rank in range(plan.world)]
+            return min(end - first for chunks in shares for _, _, first, end in chunks)
+        samples = len(self.train_sampler)  # (the same number on every rank)
+        reaches_the_end = self.steps_per_epoch * self.batch_size_per_rank >= samples
+        left = samples % self.micro_batch_size
+        return left if left and reaches_the_end and not self.drop_last else self.micro_batch_size
+
     @property
     def full_steps_per_epoch(self) -> int:
         """Optimizer steps per epoch whose global batch holds only distinct samples of the

@@ -36,7 +36,7 @@ from ddpkit.config import (
 )
 from ddpkit.data import DataModule
 from ddpkit.estimates import estimate_streams
-from ddpkit.parallel import build_model, wrap_model
+from ddpkit.parallel import build_model, check_batch_statistics, values_per_channel, wrap_model
 from ddpkit.position import Position
 from ddpkit.resume_settings import apply_changed_settings, refuse_fixed_settings
 from ddpkit.run_end import write_summary
@@ -78,6 +78,10 @@ def start_run(argv: list[str]) -> Run:
             input_shape = task.input_shape(data.first_samples()[0])
             model = build_model(cfg.model, input_shape, task.num_outputs,
                                 task.model_inputs(data.sample_batch()))
+            check_batch_statistics(cfg, values_per_channel(
+                functools.partial(build_model, cfg.model, input_shape, task.num_outputs),
+                task.model_inputs(data.sample_batch(1))), data.micro_batch_size,
+                data.smallest_micro_batch(), train_env.world_size)
             speed = resolve_speed(cfg, device, input_shape)
             check_optim(cfg)
             if cfg.guard.enabled and groups:

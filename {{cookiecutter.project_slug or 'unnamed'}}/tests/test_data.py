@@ -1,11 +1,13 @@
 """The data module in one process: splits, per-rank batch size, evaluation shards, batches."""
 
+import functools
+
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from conftest import TINY, TINY_SPLIT, fixture
-from ddpkit.config import load_config
+from conftest import IMAGES, TINY, TINY_SPLIT, fixture
+from ddpkit.config import UserError, load_config
 from ddpkit.data import (
     DataModule,
     EvalShardSampler,
@@ -15,7 +17,9 @@ from ddpkit.data import (
     to_device,
 )
 from ddpkit.dist_utils import DistEnv
+from ddpkit.parallel import build_model, check_batch_statistics, values_per_channel
 from ddpkit.splits import TensorSamples
+from ddpkit.tasks import build_task
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 71, 100])
@@ -109,3 +113,34 @@ def test_the_training_order_is_distributed_samplers_index_for_index(n, ranks, dr
             ours.set_epoch(epoch)
             theirs.set_epoch(epoch)
             assert list(ours) == list(theirs) and len(ours) == len(theirs)
+
+
+def batch_statistics(world_size: int, *overrides: str) -> None:
+    """start_run's check of the model's BatchNorm layers against the micro-batches."""
+    cfg = load_config([*TINY, "model.batchnorm=true", *overrides], world_size=world_size)
+    data = DataModule(cfg, DistEnv(0, 0, world_size, True), torch.device("cpu"))
+    task = build_task(cfg, data.splits)
+    build = functools.partial(build_model, cfg.model, task.input_shape(data.first_samples()[0]),
+                              task.num_outputs)
+    layers = values_per_channel(build, task.model_inputs(data.sample_batch(1)))
+    check_batch_statistics(cfg, layers, data.micro_batch_size, data.smallest_micro_batch(),
+                           world_size)
+
+
+def test_batchnorm_with_one_sample_in_a_micro_batch_is_one_line_naming_the_settings():
+    with pytest.raises(UserError) as refused:
+        batch_statistics(2, "train.global_batch_size=2")
+    assert str(refused.value) == (
+        "BatchNorm layer net.1 (BatchNorm1d) needs more than 1 value per channel to train, and "
+        "a training micro-batch holds 1 sample (train.global_batch_size=2 over 2 process(es)): "
+        "use a larger train.global_batch_size or model.sync_batchnorm=true (statistics over all "
+        "2 processes)")
+    with pytest.raises(UserError, match="over 1 process\\(es\\) and 4 accumulation steps\\): use "
+                       "a larger train.global_batch_size or fewer accumulation steps$"):
+        batch_statistics(1, "train.global_batch_size=4", "train.grad_accum_steps=4")
+    # 228 training samples in micro-batches of 227: the epoch's last one holds 1 sample.
+    with pytest.raises(UserError, match="an epoch's last micro-batch holds 1 sample"):
+        batch_statistics(1, "train.global_batch_size=227")
+    batch_statistics(1, "train.global_batch_size=227", "train.limit_train_batches=1")  # not read
+    batch_statistics(2, "train.global_batch_size=2", "model.sync_batchnorm=true")  # 2 samples
+    batch_statistics(1, "train.global_batch_size=1", *IMAGES)  # 1 image: 8 x 8 values a channel

@@ -64,6 +64,13 @@ def test_what_the_data_decides_is_refused_or_warned_at_start_up(tmp_path):
     assert one_error(refused) == (
         "error: train.best_metric=r2 is not a validation metric of the multiclass task: choose "
         "one of loss, accuracy, average_precision_macro")
+    # BatchNorm with 1 sample a micro-batch: from the model's layers, before any step.
+    refused = run([sys.executable, "train.py", *TINY, "model.batchnorm=true",
+                   "train.global_batch_size=1", f"run.output_dir={tmp_path}"])
+    assert one_error(refused) == (
+        "error: BatchNorm layer net.1 (BatchNorm1d) needs more than 1 value per channel to "
+        "train, and a training micro-batch holds 1 sample (train.global_batch_size=1 over 1 "
+        "process(es)): use a larger train.global_batch_size")
     assert list(tmp_path.iterdir()) == []
     warned = run([sys.executable, "train.py", *TINY, "train.max_steps=15",
                   "train.val_every_steps=100", "optim.gamma=0.5", "ddp.static_graph=true",
