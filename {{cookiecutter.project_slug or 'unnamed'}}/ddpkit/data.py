@@ -185,6 +185,21 @@ class SkipFirst(Sampler[int]):
         return len(self.sampler) - self.start
 
 
+def refuse_text(sample, dataset: str, where: str = "sample") -> None:
+    """A UserError for text in a sample made of tuples (dict samples, Hugging Face style, may
+    hold text that the model takes by keyword)."""
+    if isinstance(sample, str | bytes):
+        shown = repr(sample[:40]) + ("..." if len(sample) > 40 else "")
+        raise UserError(
+            f"data.dataset={dataset} returned text as a training sample ({where} is {shown}, "
+            f"a {type(sample).__name__}), which no model or loss takes: return tensors, numpy "
+            "arrays or numbers (tokenise the text in the dataset), or give its Splits a collate "
+            "that makes tensors of a batch (Splits(collate=...))")
+    if isinstance(sample, tuple | list):
+        for index, part in enumerate(sample):
+            refuse_text(part, dataset, f"{where}[{index}]")
+
+
 def limited(setting: float, total: int) -> int:
     """How many of `total` batches a train.limit_*_batches setting keeps: all for 0, N for a
     whole number N, a fraction for 0 < f < 1 (at least one)."""
@@ -397,11 +412,18 @@ class DataModule:
                    self.steps_per_epoch)
 
     def first_samples(self, size: int = 1) -> list:
-        """The first `size` training samples (of the shards' order, for a stream)."""
+        """The first `size` training samples (of the shards' order, for a stream). Text where
+        torch's default collate would keep it as text (a sample that is a string, or a string
+        in a tuple sample) is one line naming the dataset: no model or loss takes it."""
         train = self.datasets["train"]
         if self.streamed:
-            return train.head(size)
-        return [train[index] for index in range(min(size, len(train)))]
+            samples = train.head(size)
+        else:
+            samples = [train[index] for index in range(min(size, len(train)))]
+        if self.splits.collate is None:  # (a builder's collate may tokenise text samples)
+            for sample in samples:
+                refuse_text(sample, self.cfg.data.dataset)
+        return samples
 
     def sample_batch(self, size: int = 2):
         """The first `size` training samples made into a batch as training makes them."""

@@ -144,3 +144,21 @@ def test_batchnorm_with_one_sample_in_a_micro_batch_is_one_line_naming_the_setti
     batch_statistics(1, "train.global_batch_size=227", "train.limit_train_batches=1")  # not read
     batch_statistics(2, "train.global_batch_size=2", "model.sync_batchnorm=true")  # 2 samples
     batch_statistics(1, "train.global_batch_size=1", *IMAGES)  # 1 image: 8 x 8 values a channel
+
+
+@pytest.mark.parametrize(("dataset", "where"), [("words", "sample[0] is 'word 0'"),
+                                                ("bare_words", "sample is 'word 0'")])
+def test_a_dataset_returning_text_is_one_line_naming_it(dataset, where):
+    cfg = load_config([*TINY, f"data.dataset={fixture(dataset)}"])
+    data = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
+    with pytest.raises(UserError) as refused:
+        data.first_samples()
+    assert str(refused.value) == (
+        f"data.dataset={fixture(dataset)} returned text as a training sample ({where}, a str), "
+        "which no model or loss takes: return tensors, numpy arrays or numbers (tokenise the "
+        "text in the dataset), or give its Splits a collate that makes tensors of a batch "
+        "(Splits(collate=...))")
+    # Text in dict samples (Hugging Face style) is the model's, by keyword: kept.
+    cfg = load_config([*TINY, f"data.dataset={fixture('dict_words')}"])
+    batch = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu")).sample_batch(2)
+    assert batch["text"] == ["word 0", "word 1"]
