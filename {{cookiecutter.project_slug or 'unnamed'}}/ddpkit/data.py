@@ -47,6 +47,7 @@ from ddpkit.collate import stacking_collate
 from ddpkit.config import UserError, accumulation_steps, lookup
 from ddpkit.datasets import DATASETS
 from ddpkit.dist_utils import DistEnv, gather_objects
+from ddpkit.loader_workers import check_sendable
 from ddpkit.splits import Splits
 from ddpkit.streams import EvalPlan, RankStream, SampledStream, TrainPlan, as_stream
 
@@ -265,6 +266,7 @@ class DataModule:
         # every group's processes (extras/replicas); evaluation stays within `env`.
         self.train_env = train_env or env
         self.splits = build_splits(cfg)
+        check_sendable(cfg, self.splits)
         self.datasets = {"train": self.splits.train, "val": self.splits.val,
                          "test": self.splits.test}
         if len(self.splits.train) < cfg.train.global_batch_size:

@@ -208,6 +208,13 @@ def words(cfg, form: str = "pair") -> Splits:
     return Splits(Words(form), Words(form), Words(form), task="multiclass", num_classes=2)
 
 
+def lambda_vectors(cfg) -> Splits:
+    """vectors whose training split holds a lambda: loader workers started by pickle fail."""
+    splits = vectors(cfg)
+    splits.train.transform = lambda batch: batch * 1.0
+    return splits
+
+
 bare_words = functools.partial(words, form="word")
 dict_words = functools.partial(words, form="dict")
 

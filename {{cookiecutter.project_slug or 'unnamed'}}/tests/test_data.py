@@ -162,3 +162,20 @@ def test_a_dataset_returning_text_is_one_line_naming_it(dataset, where):
     cfg = load_config([*TINY, f"data.dataset={fixture('dict_words')}"])
     batch = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu")).sample_batch(2)
     assert batch["text"] == ["word 0", "word 1"]
+
+
+def test_a_dataset_that_loader_workers_cannot_receive_is_one_line_naming_the_fix():
+    lambdas = [*TINY, f"data.dataset={fixture('lambda_vectors')}", "data.num_workers=2"]
+    with pytest.raises(UserError) as refused:
+        DataModule(load_config(lambdas), DistEnv(0, 0, 1, False), torch.device("cpu"))
+    start, _, rest = str(refused.value).partition(" (")
+    why, _, fix = rest.partition("): ")
+    assert start == (f"data.dataset={fixture('lambda_vectors')}: its train split cannot be sent "
+                     "to the data.num_workers=2 loader processes, which "
+                     "data.worker_start_method=forkserver starts by pickling it")
+    assert "lambda" in why  # pickle's own words, which vary with the Python version
+    assert fix == ("use a module-level function instead of a lambda or a local function, or, on "
+                   "CPU, data.worker_start_method=fork")
+    forked = DataModule(load_config([*lambdas, "data.worker_start_method=fork"]),
+                        DistEnv(0, 0, 1, False), torch.device("cpu"))
+    assert len(next(iter(forked.train_batches(0)))) == 2  # (inputs, targets) from a worker
