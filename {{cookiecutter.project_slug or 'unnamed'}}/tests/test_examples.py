@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from ddpkit import datasets
 from ddpkit.config import load_config
 from ddpkit.data import DataModule
 from ddpkit.datasets import DATASETS
@@ -99,10 +100,12 @@ class ReadsRecorded:
         return self.section.get(key, default)
 
 
-def test_each_data_setting_names_the_built_in_datasets_that_read_it():
+def test_each_data_setting_names_the_built_in_datasets_that_read_it(tmp_path, monkeypatch):
     """A data setting that only some built-in datasets read names them in its acts_with, so that
     given with another it is named as having no effect (config.inactive_settings); the
-    declarations are held to what each builder really reads."""
+    declarations are held to what each builder really reads. The folders of digits_files and
+    digits_shards are written afresh, as on first use (written, they are read as they are)."""
+    monkeypatch.setattr(datasets, "PROJECT_DIR", tmp_path)
     built_in = [name for name, builder in DATASETS.items()  # (not those of data_sources.py)
                 if builder.__module__ in ("ddpkit.datasets", "ddpkit.tokens")]
     assert tuple(built_in) == DATASET_NAMES
