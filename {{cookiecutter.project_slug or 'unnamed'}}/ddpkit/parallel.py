@@ -109,12 +109,15 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
     return module
 
 
-def values_per_channel(build: Callable[[], nn.Module], inputs) -> dict[str, tuple[str, int]]:
-    """Each BatchNorm layer of the model `build()` makes: (its type, the values per channel it
-    normalises for one sample of `inputs`, a batch of one), found on a copy on the meta device:
+def values_per_channel(model: nn.Module, build: Callable[[], nn.Module],
+                       inputs) -> dict[str, tuple[str, int]]:
+    """Each BatchNorm layer of `model`: (its type, the values per channel it normalises for one
+    sample of `inputs`, a batch of one), found on a copy that `build()` makes on the meta device:
     no memory, no arithmetic, nothing of the run's model or random generators touched. Empty
     when the model has none or cannot run there (its training step then says what it says)."""
     found = {}
+    if not any(isinstance(layer, _BatchNorm) for layer in model.modules()):
+        return found  # (no copy made: a Hugging Face model's would read its weights again)
 
     def note(name):
         def hook(module, args):
@@ -124,13 +127,11 @@ def values_per_channel(build: Callable[[], nn.Module], inputs) -> dict[str, tupl
 
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = build().eval()
-            layers = [(name, layer) for name, layer in model.named_modules()
-                      if isinstance(layer, _BatchNorm)]
-            for name, layer in layers:
-                layer.register_forward_pre_hook(note(name))
-            if layers:
-                call_model(model, to_meta(inputs))
+            copy = build().eval()
+            for name, layer in copy.named_modules():
+                if isinstance(layer, _BatchNorm):
+                    layer.register_forward_pre_hook(note(name))
+            call_model(copy, to_meta(inputs))
     except Exception:  # noqa: BLE001 (a model that reads values: no check, as before)
         return {}
     return found

@@ -79,7 +79,7 @@ def start_run(argv: list[str]) -> Run:
             model = build_model(cfg.model, input_shape, task.num_outputs,
                                 task.model_inputs(data.sample_batch()))
             check_batch_statistics(cfg, values_per_channel(
-                functools.partial(build_model, cfg.model, input_shape, task.num_outputs),
+                model, functools.partial(build_model, cfg.model, input_shape, task.num_outputs),
                 task.model_inputs(data.sample_batch(1))), data.micro_batch_size,
                 data.smallest_micro_batch(), train_env.world_size)
             speed = resolve_speed(cfg, device, input_shape)

@@ -122,7 +122,7 @@ def batch_statistics(world_size: int, *overrides: str) -> None:
     task = build_task(cfg, data.splits)
     build = functools.partial(build_model, cfg.model, task.input_shape(data.first_samples()[0]),
                               task.num_outputs)
-    layers = values_per_channel(build, task.model_inputs(data.sample_batch(1)))
+    layers = values_per_channel(build(), build, task.model_inputs(data.sample_batch(1)))
     check_batch_statistics(cfg, layers, data.micro_batch_size, data.smallest_micro_batch(),
                            world_size)
 
