@@ -60,6 +60,16 @@ def test_the_launchers_agree_on_what_they_run(bakes, shape):
     assert lines[-1].startswith("exit status 75: preempted with a checkpoint saved")
 
 
+def test_the_checkpoints_printed_are_in_run_dir(bakes):
+    """With run.dir, the run writes its checkpoints in <run.dir>/checkpoints (run_folder.py),
+    whatever run.output_dir says: every launcher's row says so, the path normalised."""
+    printed = run([sys.executable, "-m", "ddpkit.targets", "run.dir=/runs/./exp1/"],
+                  cwd=bakes["1", "2"], timeout=60)
+    assert printed.returncode == 0, printed.stdout
+    rows = [ROW.fullmatch(line) for line in printed.stdout.splitlines()[:-1]]
+    assert [row["checkpoints"] for row in rows] == ["/runs/exp1/checkpoints"] * 4
+
+
 def trainjob_keys_lost(manifest: dict) -> list[str]:
     """The keys of `manifest` that the Kubeflow Trainer API's models do not keep (a pydantic
     error, such as a string for a number, raises)."""
@@ -145,14 +155,35 @@ def test_a_wrong_key_fails_the_checks_by_name(bakes):
       "node (processes per node follow the GPUs): a job of 0 processes cannot start"),
      ([], ("launch/sky.yaml", "recover_on_exit_codes: [75]", "recover_on_exit_codes: [1]"),
       "error: launch/sky.yaml does not start the job again when it exits 75 (preempted, "
-      "checkpoint saved): restore that from the template")],
+      "checkpoint saved): restore that from the template"),
+     (["run.output_dir=/runs/../scratch"], None,
+      "error: launch/trainjob.yaml: run.output_dir=/runs/../scratch (that is /scratch) is not on "
+      "the volume or bucket it mounts (/runs): checkpoints there would go with the node; use "
+      "run.output_dir=/runs"),
+     (["run.dir=/scratch/exp1"], None,
+      "error: launch/trainjob.yaml: run.dir=/scratch/exp1 is not on the volume or bucket it "
+      "mounts (/runs): checkpoints there would go with the node; use a run.dir under /runs"),
+     ([], ("launch/trainjob.yaml", 'nvidia.com/gpu: "8"', 'nvidia.com/gpu: "two"'),
+      "error: launch/trainjob.yaml: spec.trainer.resourcesPerNode.limits.nvidia.com/gpu must be "
+      'a whole number, e.g. "8", not "two"'),
+     ([], ("launch/trainjob.yaml", "- name: RDZV_ID\n        value: my-ddp-experiment",
+           "- RDZV_ID=my-ddp-experiment"),
+      "error: launch/trainjob.yaml: spec.trainer.env[0] must be a mapping of name: and value:, "
+      'e.g. {name: RDZV_ID, value: my-job}, not "RDZV_ID=my-ddp-experiment"'),
+     ([], ("launch/sky.yaml", "num_nodes: 4", "num_nodes: two"),
+      'error: launch/sky.yaml: num_nodes must be a whole number, e.g. 2, not "two"'),
+     ([], ("launch/sky.yaml", "recover_on_exit_codes: [75]", "recover_on_exit_codes: 75"),
+      "error: launch/sky.yaml: resources.job_recovery.recover_on_exit_codes must be a list of "
+      "whole numbers, e.g. [75], not 75")],
     ids=["gpus-split-no-batch", "batch-split", "runs-off-the-volume", "no-gpus",
-         "no-restart-on-75"],
+         "no-restart-on-75", "runs-leave-the-volume", "run-dir-off-the-volume", "gpus-not-a-number",
+         "env-item-not-a-mapping", "nodes-not-a-number", "exit-codes-not-a-list"],
 )
 def test_a_launch_setting_that_cannot_work_is_one_line(cookies, args, edit, message):
     project = cookies.bake(extra_context={"num_nodes": "4", "gpus_per_node": "8"}).project_path
     if edit:
         name, old, new = edit
+        assert old in (project / name).read_text()
         (project / name).write_text((project / name).read_text().replace(old, new))
     printed = run([sys.executable, "-m", "ddpkit.targets", *args], cwd=project, timeout=60)
     assert printed.returncode == 2

@@ -75,8 +75,9 @@ cleanup() {
 trap cleanup EXIT
 # How the job ended, when the workers ended it on purpose: rank 0 writes `error: ...` (a mistake
 # in the input, reported once), `preempted` (a checkpoint was saved), `stalled` (a rank never
-# reached a collective; the report names it) or `failed` (an error a restart would repeat). The
-# workers then exit 0, so that torchrun restarts none of them, and this script exits 2, 75 or 1.
+# reached a collective; the report names it) or `failed` (an error a restart would repeat); the
+# workers restarted after a crash in native code write `crashed`. The workers then exit 0, so
+# that torchrun restarts none of them, and this script exits 2, 75, 1 or 1.
 export TMPDIR="$launch_tmp" RUN_SH_STATUS_FILE="$launch_tmp/status"
 
 # Check the settings, the command line and this machine before any worker starts (one line, in
@@ -165,4 +166,9 @@ case "$(head -c 40 "$RUN_SH_STATUS_FILE" 2>/dev/null)" in
   preempted*) exit 75 ;;
   stalled* | failed*) exit 1 ;;
 esac
+# A worker that crashed in native code (its restarted workers left at once, writing `crashed`, or
+# there were no restarts): its stack once and one line (ddpkit/crashes.py), exit 1.
+if [[ "$status" -ne 0 || -s "$RUN_SH_STATUS_FILE" ]] && ! "$python" -m ddpkit.crashes "$launch_tmp"; then
+  exit 1
+fi
 exit "$status"

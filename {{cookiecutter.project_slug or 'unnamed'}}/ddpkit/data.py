@@ -47,6 +47,7 @@ from ddpkit.collate import stacking_collate
 from ddpkit.config import UserError, accumulation_steps, lookup
 from ddpkit.datasets import DATASETS
 from ddpkit.dist_utils import DistEnv, gather_objects
+from ddpkit.loader_workers import check_sendable
 from ddpkit.splits import Splits
 from ddpkit.streams import EvalPlan, RankStream, SampledStream, TrainPlan, as_stream
 
@@ -185,6 +186,21 @@ class SkipFirst(Sampler[int]):
         return len(self.sampler) - self.start
 
 
+def refuse_text(sample, dataset: str, where: str = "sample") -> None:
+    """A UserError for text in a sample made of tuples (dict samples, Hugging Face style, may
+    hold text that the model takes by keyword)."""
+    if isinstance(sample, str | bytes):
+        shown = repr(sample[:40]) + ("..." if len(sample) > 40 else "")
+        raise UserError(
+            f"data.dataset={dataset} returned text as a training sample ({where} is {shown}, "
+            f"a {type(sample).__name__}), which no model or loss takes: return tensors, numpy "
+            "arrays or numbers (tokenise the text in the dataset), or give its Splits a collate "
+            "that makes tensors of a batch (Splits(collate=...))")
+    if isinstance(sample, tuple | list):
+        for index, part in enumerate(sample):
+            refuse_text(part, dataset, f"{where}[{index}]")
+
+
 def limited(setting: float, total: int) -> int:
     """How many of `total` batches a train.limit_*_batches setting keeps: all for 0, N for a
     whole number N, a fraction for 0 < f < 1 (at least one)."""
@@ -283,6 +299,7 @@ class DataModule:
         # every group's processes (extras/replicas); evaluation stays within `env`.
         self.train_env = train_env or env
         self.splits = build_splits(cfg)
+        check_sendable(cfg, self.splits)
         self.datasets = {"train": self.splits.train, "val": self.splits.val,
                          "test": self.splits.test}
         if len(self.splits.train) < cfg.train.global_batch_size:
@@ -404,6 +421,23 @@ class DataModule:
         """Seeds of the worker processes: distinct for every (run.seed, epoch, rank)."""
         return (self.cfg.run.seed * 1_000_003 + epoch) * 1_009 + self.train_env.rank
 
+    def smallest_micro_batch(self) -> int:
+        """The fewest samples a training micro-batch of any rank holds: the micro-batch size,
+        or fewer in an epoch's last step, where what is left of the split does not fill it
+        (unless the builder asked for drop_last, or train.limit_train_batches stops before)."""
+        if self.streamed:
+            plan = self.train_stream.plan
+            if plan.limit < plan.steps:
+                return self.micro_batch_size
+            shares = [TrainPlan(plan.samples, plan.batch, plan.world, rank, plan.micro_batches,
+                                self.drop_last).step_chunks(plan.steps - 1)
+                      for rank in range(plan.world)]
+            return min(end - first for chunks in shares for _, _, first, end in chunks)
+        samples = len(self.train_sampler)  # (the same number on every rank)
+        reaches_the_end = self.steps_per_epoch * self.batch_size_per_rank >= samples
+        left = samples % self.micro_batch_size
+        return left if left and reaches_the_end and not self.drop_last else self.micro_batch_size
+
     @property
     def full_steps_per_epoch(self) -> int:
         """Optimizer steps per epoch whose global batch holds only distinct samples of the
@@ -413,11 +447,18 @@ class DataModule:
                    self.steps_per_epoch)
 
     def first_samples(self, size: int = 1) -> list:
-        """The first `size` training samples (of the shards' order, for a stream)."""
+        """The first `size` training samples (of the shards' order, for a stream). Text where
+        torch's default collate would keep it as text (a sample that is a string, or a string
+        in a tuple sample) is one line naming the dataset: no model or loss takes it."""
         train = self.datasets["train"]
         if self.streamed:
-            return train.head(size)
-        return [train[index] for index in range(min(size, len(train)))]
+            samples = train.head(size)
+        else:
+            samples = [train[index] for index in range(min(size, len(train)))]
+        if self.splits.collate is None:  # (a builder's collate may tokenise text samples)
+            for sample in samples:
+                refuse_text(sample, self.cfg.data.dataset)
+        return samples
 
     def sample_batch(self, size: int = 2):
         """The first `size` training samples made into a batch as training makes them."""

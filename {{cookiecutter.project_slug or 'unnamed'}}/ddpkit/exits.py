@@ -1,6 +1,6 @@
 """How a process of the job ends, and how it tells run.sh the way the job ended (its status
-file: `error: <message>`, `preempted`, `stalled` or `failed`, which run.sh turns into exit status
-2, 75, 1 or 1).
+file: `error: <message>`, `preempted`, `stalled`, `failed` or `crashed` (ddpkit/crashes.py),
+which run.sh turns into exit status 2, 75, 1, 1 or 1).
 """
 
 import atexit

@@ -49,6 +49,17 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 ]
 
 
+def to_meta(value):
+    """A batch (tensors, in dicts, lists and tuples) on the meta device: its shapes alone."""
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, dict):
+        return {key: to_meta(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_meta(item) for item in value)
+    return value
+
+
 def count_training_flops(build: Callable[[], nn.Module], forward_and_loss, batch) -> int:
     """FLOPs of one forward, loss and backward of `batch` through the model `build()` makes.
 
@@ -58,15 +69,6 @@ def count_training_flops(build: Callable[[], nn.Module], forward_and_loss, batch
     counted this way).
     """
     from torch.utils.flop_counter import FlopCounterMode
-
-    def to_meta(value):
-        if isinstance(value, torch.Tensor):
-            return value.to("meta")
-        if isinstance(value, dict):
-            return {key: to_meta(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(to_meta(item) for item in value)
-        return value
 
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = build()

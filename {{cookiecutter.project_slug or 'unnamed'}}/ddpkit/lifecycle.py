@@ -18,6 +18,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
+from ddpkit import crashes
 from ddpkit.dist_utils import describe_failures, is_rank_0
 from ddpkit.exits import (
     end_cleanly,
@@ -157,16 +158,22 @@ _INSTALLED: list[bool] = []  # install() has run in this process
 
 def install() -> None:
     """What a process of the job needs from its start, once: faulthandler (a crash in native
-    code prints every thread's Python stack), the preemption and Ctrl-C handlers, and under
-    run.sh, when torchrun restarted the ranks after a failure that would come back (reported
-    once already), leaving at once: torchrun ends, and run.sh exits 1."""
+    code prints every thread's Python stack; under run.sh, to a file that run.sh prints once:
+    ddpkit/crashes.py), the preemption and Ctrl-C handlers, and under run.sh, when torchrun
+    restarted the ranks after a failure that would come back (reported once already) or a
+    crash in native code, leaving at once: torchrun ends, and run.sh exits 1."""
     if _INSTALLED:
         return
     _INSTALLED.append(True)
-    faulthandler.enable()
+    crashes.leave_after_a_crash()  # (ddpkit.worker has looked already, before importing torch)
+    status_file = os.environ.get("RUN_SH_STATUS_FILE")
+    if status_file:
+        crashes.record(status_file)
+    else:
+        faulthandler.enable()
     handle_signals()
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if os.environ.get("RUN_SH_STATUS_FILE") and restarted and job_failed():
+    if status_file and restarted and job_failed():
         os._exit(0)
 
 

@@ -29,9 +29,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.blocks import checkpoint_activations, compile_blocks
-from ddpkit.config import lookup
+from ddpkit.config import UserError, accumulation_steps, lookup
 from ddpkit.dist_utils import DistEnv
-from ddpkit.models import MODELS, check_keyword_inputs
+from ddpkit.flops import to_meta
+from ddpkit.models import MODELS, call_model, check_keyword_inputs
 from ddpkit.position import rng_state, set_rng_state
 from ddpkit.speed import Speed
 
@@ -106,6 +107,66 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
     for name, child in module.named_children():
         module.add_module(name, convert_sync_batchnorm(child, device))
     return module
+
+
+def values_per_channel(model: nn.Module, build: Callable[[], nn.Module],
+                       inputs) -> dict[str, tuple[str, int]]:
+    """Each BatchNorm layer of `model`: (its type, the values per channel it normalises for one
+    sample of `inputs`, a batch of one), found on a copy that `build()` makes on the meta device:
+    no memory, no arithmetic, nothing of the run's model or random generators touched. Empty
+    when the model has none or cannot run there (its training step then says what it says)."""
+    found = {}
+    if not any(isinstance(layer, _BatchNorm) for layer in model.modules()):
+        return found  # (no copy made: a Hugging Face model's would read its weights again)
+
+    def note(name):
+        def hook(module, args):
+            shape = args[0].shape
+            found[name] = (type(module).__name__, shape[0] * shape[2:].numel())
+        return hook
+
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            copy = build().eval()
+            for name, layer in copy.named_modules():
+                if isinstance(layer, _BatchNorm):
+                    layer.register_forward_pre_hook(note(name))
+            call_model(copy, to_meta(inputs))
+    except Exception:  # noqa: BLE001 (a model that reads values: no check, as before)
+        return {}
+    return found
+
+
+def check_batch_statistics(cfg: DictConfig, layers: dict[str, tuple[str, int]], micro: int,
+                           smallest: int, world_size: int) -> None:
+    """BatchNorm trains on the statistics of each micro-batch (of every rank's, synchronised)
+    and needs more than one value per channel: a micro-batch that gives a layer one (`micro`
+    samples, or `smallest` in an epoch's last step) is one line naming the settings to change,
+    before any step."""
+    synced = cfg.model.sync_batchnorm and world_size > 1
+    samples = smallest * (world_size if synced else 1)
+    tight = [(name, kind) for name, (kind, values) in layers.items()
+             if values * samples <= 1 and (synced or kind != "SyncBatchNorm")]
+    if not tight:
+        return
+    name, kind = tight[0]
+    accumulation = accumulation_steps(cfg, world_size)
+    if smallest < micro:
+        how = (f"an epoch's last micro-batch holds {smallest} sample (what the training split "
+               f"leaves after micro-batches of {micro})")
+        fixes = ["a train.global_batch_size that leaves more"]
+    else:
+        split = (f"train.global_batch_size={cfg.train.global_batch_size} over {world_size} "
+                 "process(es)" + (f" and {accumulation} accumulation steps" if accumulation > 1
+                                  else ""))
+        how = f"a training micro-batch holds {micro} sample ({split})"
+        fixes = ["a larger train.global_batch_size"]
+        if accumulation > 1:
+            fixes.append("fewer accumulation steps")
+    if world_size > 1 and not synced:
+        fixes.append(f"model.sync_batchnorm=true (statistics over all {world_size} processes)")
+    raise UserError(f"BatchNorm layer {name} ({kind}) needs more than 1 value per channel to "
+                    f"train, and {how}: use {' or '.join(fixes)}")
 
 
 def build_model(cfg: DictConfig, input_shape: tuple, num_classes: int, inputs=None

@@ -38,6 +38,9 @@ JOB_ID_FILE = ".job_id"  # the id of the job that made the folder: a requeue fin
 LOCK_FILE = ".lock"  # held by the job training in the folder; names its host and pid
 
 
+RUN_FOLDER_NOTE = ".run_folder"  # beside run.sh's status file: the run folder the launch made
+
+
 _held_locks: list = []  # open lock files: the lock lasts as long as the process
 
 
@@ -94,6 +97,16 @@ def _read_holder(text: str) -> dict:
     with contextlib.suppress(ValueError):
         return json.loads(text)
     return {}
+
+
+def note_run_folder(path: Path) -> None:
+    """Rank 0 under run.sh, having created the run folder: which one, so that run.sh removes
+    it if a worker crashes in native code before the run writes anything (ddpkit/crashes.py).
+    The first attempt's: a restarted one finds the folder and did not create it."""
+    status_file = os.environ.get("RUN_SH_STATUS_FILE")
+    if status_file:
+        with contextlib.suppress(FileExistsError), open(status_file + RUN_FOLDER_NOTE, "x") as note:
+            note.write(str(path))
 
 
 @dataclass
@@ -180,4 +193,6 @@ def _open_and_lock(cfg: DictConfig, group: int | None) -> RunDir:
     except UserError:
         run.discard_if_unused()
         raise
+    if run.created:  # a crash in native code leaves it to run.sh to remove, if still unused
+        note_run_folder(run.path)
     return run

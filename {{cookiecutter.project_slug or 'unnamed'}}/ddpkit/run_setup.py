@@ -35,7 +35,8 @@ from ddpkit.config import (
     load_config,
 )
 from ddpkit.data import DataFingerprint, DataModule
-from ddpkit.parallel import build_model, wrap_model
+from ddpkit.estimates import estimate_streams
+from ddpkit.parallel import build_model, check_batch_statistics, values_per_channel, wrap_model
 from ddpkit.position import Position
 from ddpkit.resume_settings import apply_changed_settings, refuse_fixed_settings
 from ddpkit.run_end import write_summary
@@ -77,6 +78,10 @@ def start_run(argv: list[str]) -> Run:
             input_shape = task.input_shape(data.first_samples()[0])
             model = build_model(cfg.model, input_shape, task.num_outputs,
                                 task.model_inputs(data.sample_batch()))
+            check_batch_statistics(cfg, values_per_channel(
+                model, functools.partial(build_model, cfg.model, input_shape, task.num_outputs),
+                task.model_inputs(data.sample_batch(1))), data.micro_batch_size,
+                data.smallest_micro_batch(), train_env.world_size)
             speed = resolve_speed(cfg, device, input_shape)
             check_optim(cfg)
             if cfg.guard.enabled and groups:
@@ -89,7 +94,7 @@ def start_run(argv: list[str]) -> Run:
         folder.discard_if_unused()  # a launch that failed before training leaves no folder
         raise
     if env.is_main and not cfg.train.fast_dev_run:
-        for note in settings_without_effect(cfg, argv, run_length(cfg, data)):
+        for note in settings_without_effect(cfg, argv, data):
             log.warning(note)
     # Per-rank seed from here on: dropout masks differ between ranks, as they would between
     # the samples of one big batch on one process.
@@ -180,13 +185,25 @@ def run_length(cfg: DictConfig, data: DataModule) -> int:
     return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
 
 
-def settings_without_effect(cfg: DictConfig, argv: list[str], total_steps: int) -> list[str]:
-    """One line for each setting given that cannot take effect in this run."""
+def settings_without_effect(cfg: DictConfig, argv: list[str], data: DataModule) -> list[str]:
+    """One line for each setting given that cannot take effect in this run: with the other
+    settings (their declarations' acts_with), with this data, or in a run this long."""
     notes = inactive_settings(cfg, given_keys(argv))
+    total_steps = run_length(cfg, data)
     every = cfg.train.val_every_steps
     if every and every >= total_steps:
         notes.append(f"train.val_every_steps={every} has no effect: the run has {total_steps} "
                      "steps, so it validates only at the end of each epoch")
+    windows = cfg.train.estimate_windows
+    if windows and not estimate_streams(data):
+        notes.append(f"train.estimate_windows={windows} has no effect: the training split of "
+                     f"data.dataset={cfg.data.dataset} is not drawn with replacement (a "
+                     "streams.SampledStream, as data.dataset=tokens gives)")
+    guard = cfg.guard
+    if guard.enabled and guard.spike_factor and guard.window >= total_steps:
+        notes.append(f"guard.window={guard.window} has no effect: the run has {total_steps} "
+                     f"steps, so guard.spike_factor={guard.spike_factor} never judges one (it "
+                     "waits for guard.window updated steps first): lower guard.window")
     return notes
 
 

@@ -28,6 +28,13 @@ __all__ = ["DECLARED", "Declared", "setting"]  # (declare.py's, for settings.py 
 SEED = {"at_least": 0, "at_most": 2**32 - 1, "what": "a seed"}  # the seeds numpy takes
 # The built-in schedules (ddpkit/schedules.py); optim.schedule may also name one of yours.
 SCHEDULE_NAMES = ("cosine", "linear", "step", "multistep", "constant", "plateau")
+# The built-in datasets (ddpkit/datasets.py's DATASETS); data.dataset may also name one of yours.
+# A data setting that only some of them read says which in its acts_with (a test records what
+# each one reads): given with another, it is named at the start as having no effect.
+DATASET_NAMES = ("digits", "digits_files", "digits_shards", "breast_cancer", "diabetes",
+                 "synthetic", "images", "tokens")
+SPLIT_HERE = ("data.dataset", *(name for name in DATASET_NAMES if name != "tokens"))
+FROM_DISK = ("data.dataset", "digits_files", "digits_shards", "tokens")
 
 
 @dataclass
@@ -51,32 +58,34 @@ class DataConfig:
     dataset: str = setting("digits", "The dataset: a key of DATASETS (digits, digits_files, "
                            "synthetic, images, breast_cancer, diabetes, tokens, or one of "
                            "yours in data_sources.py), or module:function for a builder "
-                           "elsewhere.")
+                           "elsewhere.", known=DATASET_NAMES)
     root: str = setting("", "Where a dataset read from disk lives; empty: the dataset's own "
-                        "default folder.")
+                        "default folder.", acts_with=FROM_DISK)
     augment: bool = setting(True, "Augment the training split, for datasets that have an "
-                            "augmentation.")
+                            "augmentation.", acts_with=SPLIT_HERE)
     val_fraction: float = setting(0.15, "The share of the samples held out for validation.",
-                                  above=0, below=1)
+                                  above=0, below=1, acts_with=SPLIT_HERE)
     test_fraction: float = setting(0.2, "The share of the samples held out for the test split.",
-                                   above=0, below=1)
+                                   above=0, below=1, acts_with=SPLIT_HERE)
     split_seed: int = setting(0, "Fixes which samples fall in the train, validation and test "
-                              "splits, independently of run.seed.", **SEED)
+                              "splits, independently of run.seed.", **SEED, acts_with=SPLIT_HERE)
     num_workers: int = setting(0, "DataLoader worker processes per rank; 0 loads the data in "
                                "the training process itself.", at_least=0)
     worker_start_method: str = setting("forkserver", "How DataLoader workers are started; fork "
                                        "is unsafe with CUDA.",
                                        choices=("forkserver", "spawn", "fork"))
     synthetic_samples: int = setting(2000, "The number of samples of the synthetic and images "
-                                     "datasets.", above=0)
+                                     "datasets.", above=0,
+                                     acts_with=("data.dataset", "synthetic", "images"))
     synthetic_features: int = setting(32, "The number of features of each synthetic sample.",
-                                      above=0)
+                                      above=0, acts_with=("data.dataset", "synthetic"))
     synthetic_classes: int = setting(4, "The classes of the synthetic and images datasets.",
-                                     at_least=2)
+                                     at_least=2, acts_with=("data.dataset", "synthetic", "images"))
     image_size: int = setting(32, "The images dataset's pictures are 3 x image_size x "
-                              "image_size pixels.", above=0)
+                              "image_size pixels.", above=0, acts_with=("data.dataset", "images"))
     block_size: int = setting(128, "tokens: the tokens of each training and evaluation "
-                              "window, a language model's context.", above=0)
+                              "window, a language model's context.", above=0,
+                              acts_with=("data.dataset", "tokens"))
     resume_changed: bool = setting(False, "Resume a checkpoint whose data changed since it was "
                                    "written (its fingerprint differs: token data written again "
                                    "in place); false refuses.")

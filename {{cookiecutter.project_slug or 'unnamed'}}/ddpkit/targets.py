@@ -4,11 +4,12 @@
 
 prints, for torchrun (run.sh), SLURM (slurm.sbatch), Kubernetes (launch/trainjob.yaml) and
 SkyPilot (launch/sky.yaml): nodes x processes, the command each node runs, the config file and
-the folder the run and its checkpoints go to; then checks that each can work (exit 2 and one
-line if not): the global batch splits over its processes, its GPU count is at least 1, its run
-folder lies on the volume or bucket it declares (a pod's or a VM's own disk goes with it), and it
-starts a preempted job again (exit status PREEMPTED). The arguments are those the job would be
-given (run.sh's), after the launcher's own.
+the folder the run and its checkpoints go to (run.dir, else a new folder under run.output_dir);
+then checks that each can work (exit 2 and one line if not): each key it reads from a launch file
+has its type (ddpkit/launch_file.py), the global batch splits over its processes, its GPU count
+is at least 1, its run folder lies on the volume or bucket it declares once `..` is resolved (a
+pod's or a VM's own disk goes with it), and it starts a preempted job again (exit status
+PREEMPTED). The arguments are those the job would be given (run.sh's), after the launcher's own.
 
 The contract every launcher keeps with run.sh is here, once: PREEMPTED, CLUSTER_RUNS (where a
 Kubernetes volume or a SkyPilot bucket is mounted) and how a node's command reaches run.sh.
@@ -17,19 +18,25 @@ Kubernetes volume or a SkyPilot bucket is mounted) and how a node's command reac
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 import re
 import shlex
 import sys
 from pathlib import Path
 
-import yaml
+from omegaconf import OmegaConf
 
+from ddpkit.launch_file import COUNT, MAPPING, TEXT, WHOLE, WHOLES, WORDS, Kind, LaunchFile
 from ddpkit.project import PREEMPTED_EXIT as PREEMPTED
 from ddpkit.project import UserError
 
 CLUSTER_RUNS = "/runs"  # the volume (Kubernetes) or bucket (SkyPilot) that keeps the run folders
 DEFAULT_CONFIG = "configs/default.yaml"
 GPU = "nvidia.com/gpu"  # the resource a Kubernetes node's GPUs are asked for by
+ENV_ITEM = Kind("a mapping of name: and value:, e.g. {name: RDZV_ID, value: my-job}",
+                MAPPING.read)
+ACCELERATORS = Kind("one GPU type with its count, e.g. H100:8",
+                    lambda value: value if isinstance(value, str | dict) else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,52 +90,32 @@ def slurm(project: Path) -> Target:
                   f'"$status" -eq {PREEMPTED} ]]' in text and "scontrol requeue" in text)
 
 
-def load_yaml(project: Path, file: str) -> dict:
-    try:
-        loaded = yaml.safe_load((project / file).read_text())
-    except yaml.YAMLError as error:
-        raise UserError(f"{file} is not valid YAML: {str(error).splitlines()[0]}") from None
-    if not isinstance(loaded, dict):
-        raise UserError(f"{file} must be a mapping, as the template wrote it")
-    return loaded
-
-
-def dig(loaded: dict, file: str, *path):
-    """loaded[path[0]][path[1]]...; a missing step is one line naming the key."""
-    value = loaded
-    for step in path:
-        try:
-            value = value[step]
-        except (KeyError, IndexError, TypeError):
-            key = ".".join(str(part) for part in path)
-            raise UserError(f"{file}: {key} not found: restore it from the template") from None
-    return value
-
-
 def kubernetes(project: Path) -> Target:
-    file = "launch/trainjob.yaml"
-    job = load_yaml(project, file)
-    trainer = dig(job, file, "spec", "trainer")
-    gpus = int(dig(trainer, file, "resourcesPerNode", "limits", GPU))
-    env = {item.get("name"): item.get("value") for item in trainer.get("env") or []}
-    if env.get("RDZV_ID") != dig(job, file, "metadata", "name"):
-        raise UserError(f"{file}: the RDZV_ID variable ({env.get('RDZV_ID')}) is not the "
+    job = LaunchFile(project, "launch/trainjob.yaml")
+    trainer = ("spec", "trainer")
+    env = {job.read((*item, "name"), TEXT): job.read((*item, "value"), TEXT, None)
+           for item in job.items((*trainer, "env"), ENV_ITEM)}
+    name = job.read(("metadata", "name"), TEXT)
+    if env.get("RDZV_ID") != name:
+        raise UserError(f"{job.name}: the RDZV_ID variable ({env.get('RDZV_ID')}) is not the "
                         "TrainJob's name: make it the same, so that the job applied again finds "
                         "its run folder")
-    pod = dig(job, file, "spec", "runtimePatches", 0, "trainingRuntimeSpec", "template", "spec",
-              "replicatedJobs", 0, "template", "spec", "template", "spec")
-    mounts = [mount["mountPath"] for container in pod.get("containers") or []
-              for mount in container.get("volumeMounts") or []]
+    pod = ("spec", "runtimePatches", 0, "trainingRuntimeSpec", "template", "spec",
+           "replicatedJobs", 0, "template", "spec", "template", "spec")
+    mounts = [job.read((*mount, "mountPath"), TEXT)
+              for container in job.items((*pod, "containers"), MAPPING)
+              for mount in job.items((*container, "volumeMounts"), MAPPING)]
     # The Kubeflow controller restarts failed pods (the runtime's failure policy); a job that
     # exited PREEMPTED is applied again under its name and resumes.
-    return Target("Kubernetes", file, int(dig(trainer, file, "numNodes")), gpus,
-                  [str(word) for word in dig(trainer, file, "command")], mounts, True)
+    return Target("Kubernetes", job.name, job.read((*trainer, "numNodes"), WHOLE),
+                  job.read((*trainer, "resourcesPerNode", "limits", GPU), COUNT),
+                  job.read((*trainer, "command"), WORDS), mounts, True)
 
 
 def skypilot(project: Path) -> Target:
-    file = "launch/sky.yaml"
-    task = load_yaml(project, file)
-    accelerators = dig(task, file, "resources", "accelerators")
+    task = LaunchFile(project, "launch/sky.yaml")
+    file = task.name
+    accelerators = task.read(("resources", "accelerators"), ACCELERATORS)
     if isinstance(accelerators, dict) and len(accelerators) == 1:
         count = next(iter(accelerators.values()))
     else:
@@ -136,28 +123,19 @@ def skypilot(project: Path) -> Target:
     if not re.fullmatch("[0-9]+", str(count)):
         raise UserError(f"{file}: resources.accelerators={accelerators} is not one GPU type "
                         "with its count, e.g. H100:8")
-    lines = [line for line in str(dig(task, file, "run")).splitlines()
+    lines = [line for line in task.read(("run",), TEXT).splitlines()
              if "launch/node.sh" in line]
     if len(lines) != 1:
         raise UserError(f"{file}: the run block must run launch/node.sh skypilot once, as the "
                         "template wrote it")
-    recovery = task["resources"].get("job_recovery") or {}
-    return Target("SkyPilot", file, int(task.get("num_nodes", 1)), int(count),
-                  shlex.split(lines[0]), list(task.get("file_mounts") or {}),
-                  PREEMPTED in (recovery.get("recover_on_exit_codes") or []))
+    codes = task.read(("resources", "job_recovery", "recover_on_exit_codes"), WHOLES, [])
+    return Target("SkyPilot", file, task.read(("num_nodes",), WHOLE, 1), int(count),
+                  shlex.split(lines[0]), [str(path) for path in
+                                          task.read(("file_mounts",), MAPPING, {})],
+                  PREEMPTED in codes)
 
 
 READERS = (run_sh, slurm, kubernetes, skypilot)
-
-
-def output_dir(args: list[str], config_file: str) -> str:
-    """run.output_dir as the job sees it: its override, else the config file's, else runs."""
-    for arg in reversed(args):
-        if arg.startswith("run.output_dir="):
-            return arg.partition("=")[2]
-    from omegaconf import OmegaConf  # the config file's own value, as load_config reads it
-    return str(OmegaConf.select(OmegaConf.load(config_file), "run.output_dir", default="runs")
-               or "runs")
 
 
 def config_file(args: list[str]) -> str:
@@ -165,6 +143,31 @@ def config_file(args: list[str]) -> str:
         if flag == "--config":
             return value
     return DEFAULT_CONFIG
+
+
+def run_folder(cfg) -> tuple[str, str]:
+    """The key that places the run folder (run.dir, else run.output_dir) and the folder as the
+    run makes it: run.dir itself, else a new folder under run.output_dir; `..` and `.` resolved
+    as the file system does on the node."""
+    if cfg.run.dir:
+        return "run.dir", posixpath.normpath(cfg.run.dir)
+    return "run.output_dir", posixpath.join(posixpath.normpath(cfg.run.output_dir), "<run>")
+
+
+def check_storage(target: Target, cfg, key: str, folder: str) -> None:
+    """A run folder off the volume or bucket `target` mounts is refused: it goes with the node."""
+    if not target.storage or any(
+            folder == mount or folder.startswith(mount.rstrip("/") + "/")
+            for mount in map(posixpath.normpath, target.storage)):
+        return
+    given = OmegaConf.select(cfg, key)
+    where = posixpath.normpath(given)
+    meaning = f" (that is {where})" if where != given.rstrip("/") else ""
+    use = f"{key}={target.storage[0]}" if key == "run.output_dir" else (
+        f"a {key} under {target.storage[0]}")
+    raise UserError(f"{target.file}: {key}={given}{meaning} is not on the volume or bucket it "
+                    f"mounts ({', '.join(target.storage)}): checkpoints there would go with the "
+                    f"node; use {use}")
 
 
 def check(target: Target, args: list[str]) -> str:
@@ -178,19 +181,14 @@ def check(target: Target, args: list[str]) -> str:
         raise UserError(f"{target.file} does not start the job again when it exits "
                         f"{PREEMPTED} (preempted, checkpoint saved): restore that from the "
                         "template")
-    every = [*target.arguments(), *args]
     try:
-        load_config(every, world_size=target.nodes * target.processes)
+        cfg = load_config([*target.arguments(), *args],
+                          world_size=target.nodes * target.processes)
     except UserError as error:
         raise UserError(f"{where}: {error}") from None
-    runs = output_dir(every, config_file(every))
-    kept = [folder for folder in target.storage if runs.rstrip("/") == folder.rstrip("/")
-            or runs.startswith(folder.rstrip("/") + "/")]
-    if target.storage and not kept:
-        raise UserError(f"{target.file}: run.output_dir={runs} is not on the volume or bucket "
-                        f"it mounts ({', '.join(target.storage)}): checkpoints there would go "
-                        f"with the node; use run.output_dir={target.storage[0]}")
-    return runs
+    key, folder = run_folder(cfg)
+    check_storage(target, cfg, key, folder)
+    return folder
 
 
 def table(project: Path, args: list[str]) -> list[str]:
@@ -198,11 +196,11 @@ def table(project: Path, args: list[str]) -> list[str]:
     lines = []
     for reader in READERS:
         target = reader(project)
-        runs = check(target, args)
+        folder = check(target, args)
         every = [*target.arguments(), *args]
         lines.append(f"{target.name + ':':<13} {target.file:<21} {target.nodes} x "
                      f"{target.processes}  each node: {shlex.join([*target.command, *args])}  "
-                     f"config {config_file(every)}  checkpoints {runs}/<run>/checkpoints")
+                     f"config {config_file(every)}  checkpoints {folder}/checkpoints")
     return lines
 
 

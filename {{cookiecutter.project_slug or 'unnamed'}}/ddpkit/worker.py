@@ -3,17 +3,21 @@
 The process's handlers are installed (lifecycle.install) before the script is even imported,
 then the script runs as __main__, as `python <script>` would run it. So an error at the top of
 the script (an import that fails, in every rank) is reported like an error inside run_main:
-once, and not retried by torchrun's restarts.
+once, and not retried by torchrun's restarts. A worker restarted after a crash in native code
+leaves first thing (ddpkit/crashes.py).
 """
 
 import os
 import runpy
 import sys
 
-from ddpkit import lifecycle
+from ddpkit import crashes
 
 
 def main() -> None:
+    crashes.leave_after_a_crash()  # a restart after a crash of the code: at once, without torch
+    from ddpkit import lifecycle
+
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python <script>` sets it

@@ -4,6 +4,7 @@ and of yours, so the tests keep checking the plumbing whatever you add or change
 Runs name them by file: data.dataset=tests/fixtures.py:vectors model.name=tests/fixtures.py:mlp.
 """
 
+import functools
 import json
 import math
 import os
@@ -184,6 +185,38 @@ def dict_vectors(cfg) -> Splits:
         part = getattr(splits, name)
         setattr(splits, name, DictSamples(part.inputs, part.targets))
     return splits
+
+
+class Words(Dataset):
+    """Samples of text: (a word, a label), or the word alone; as a dict, a text field beside
+    the features (Hugging Face style, read by a model that takes it by keyword)."""
+
+    def __init__(self, form: str):
+        self.form = form
+
+    def __len__(self) -> int:
+        return 60
+
+    def __getitem__(self, index: int):
+        word = f"word {index}"
+        if self.form == "dict":
+            return {"features": torch.ones(4), "text": word, "target": index % 2}
+        return (word, index % 2) if self.form == "pair" else word
+
+
+def words(cfg, form: str = "pair") -> Splits:
+    return Splits(Words(form), Words(form), Words(form), task="multiclass", num_classes=2)
+
+
+def lambda_vectors(cfg) -> Splits:
+    """vectors whose training split holds a lambda: loader workers started by pickle fail."""
+    splits = vectors(cfg)
+    splits.train.transform = lambda batch: batch * 1.0
+    return splits
+
+
+bare_words = functools.partial(words, form="word")
+dict_words = functools.partial(words, form="dict")
 
 
 # --- Streams: splits as shards (ddpkit/streams.py) -------------------------------------------

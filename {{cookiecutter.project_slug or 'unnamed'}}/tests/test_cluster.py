@@ -29,7 +29,8 @@ from ddpkit.checkpoint_load import load_checkpoint, read_model
 from ddpkit.config import load_config
 from ddpkit.data import DataModule
 from ddpkit.dist_utils import DistEnv
-from ddpkit.targets import CLUSTER_RUNS, PREEMPTED, kubernetes, load_yaml, skypilot
+from ddpkit.launch_file import TEXT, LaunchFile
+from ddpkit.targets import CLUSTER_RUNS, PREEMPTED, kubernetes, skypilot
 
 # 6 epochs, checkpoints only at the end: whatever a preemption saves, it saved on its own.
 # A large val split read one sample at a time: about 0.1 s of validation an epoch.
@@ -103,9 +104,10 @@ def test_sigterm_saves_the_step_reached_and_the_same_command_resumes(tmp_path, r
 def node_environment(system: str, rank: int, port: int) -> dict:
     """What each system sets on the second of two nodes (here: two processes on loopback)."""
     if system == "kubeflow":  # the torch plugin's variables, and RDZV_ID from the manifest
+        manifest = LaunchFile(PROJECT, "launch/trainjob.yaml")
         return {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(rank),
                 "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
-                "RDZV_ID": load_yaml(PROJECT, "launch/trainjob.yaml")["metadata"]["name"]}
+                "RDZV_ID": manifest.read(("metadata", "name"), TEXT)}
     return {"SKYPILOT_NUM_NODES": "2", "SKYPILOT_NUM_GPUS_PER_NODE": "1",
             "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
             "SKYPILOT_TASK_ID": "sky-managed-2026-12-07-1", "MASTER_PORT": str(port)}

@@ -80,6 +80,25 @@ def test_a_setting_given_where_it_cannot_act_is_named():
     assert inactive_settings(cfg, ["optim.gamma"]) == []
 
 
+def test_a_data_setting_the_dataset_does_not_read_is_named():
+    # Which built-in datasets read each setting: tests/test_examples.py records it.
+    given = ["data.block_size", "data.synthetic_samples"]
+    cfg = load_config(["data.block_size=64", "data.synthetic_samples=500"])
+    assert inactive_settings(cfg, given) == [
+        "data.block_size=64 has no effect with data.dataset=digits: it acts only with "
+        "data.dataset=tokens",
+        "data.synthetic_samples=500 has no effect with data.dataset=digits: it acts only with "
+        "data.dataset=synthetic or images"]
+    cfg = load_config(["data.dataset=tokens", "data.block_size=64", "data.val_fraction=0.3"])
+    assert inactive_settings(cfg, ["data.block_size", "data.val_fraction"]) == [
+        "data.val_fraction=0.3 has no effect with data.dataset=tokens: it acts only with "
+        "data.dataset=digits or digits_files or digits_shards or breast_cancer or diabetes or "
+        "synthetic or images"]
+    # A dataset of yours may read any of them: nothing is said.
+    cfg = load_config(["data.dataset=data_sources.py:mine", "data.block_size=64"])
+    assert inactive_settings(cfg, ["data.block_size"]) == []
+
+
 def test_your_settings_do_not_reuse_a_template_key():
     # A field of settings.py named like one of the template's section would be silently
     # replaced by the template's (its default and its type): refuse it here.

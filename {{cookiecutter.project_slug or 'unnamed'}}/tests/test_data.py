@@ -1,11 +1,13 @@
 """The data module in one process: splits, per-rank batch size, evaluation shards, batches."""
 
+import functools
+
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from conftest import TINY, TINY_SPLIT, fixture
-from ddpkit.config import load_config
+from conftest import IMAGES, TINY, TINY_SPLIT, fixture
+from ddpkit.config import UserError, load_config
 from ddpkit.data import (
     DataModule,
     EvalShardSampler,
@@ -15,7 +17,9 @@ from ddpkit.data import (
     to_device,
 )
 from ddpkit.dist_utils import DistEnv
+from ddpkit.parallel import build_model, check_batch_statistics, values_per_channel
 from ddpkit.splits import TensorSamples
+from ddpkit.tasks import build_task
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 71, 100])
@@ -109,3 +113,69 @@ def test_the_training_order_is_distributed_samplers_index_for_index(n, ranks, dr
             ours.set_epoch(epoch)
             theirs.set_epoch(epoch)
             assert list(ours) == list(theirs) and len(ours) == len(theirs)
+
+
+def batch_statistics(world_size: int, *overrides: str) -> None:
+    """start_run's check of the model's BatchNorm layers against the micro-batches."""
+    cfg = load_config([*TINY, "model.batchnorm=true", *overrides], world_size=world_size)
+    data = DataModule(cfg, DistEnv(0, 0, world_size, True), torch.device("cpu"))
+    task = build_task(cfg, data.splits)
+    build = functools.partial(build_model, cfg.model, task.input_shape(data.first_samples()[0]),
+                              task.num_outputs)
+    layers = values_per_channel(build(), build, task.model_inputs(data.sample_batch(1)))
+    check_batch_statistics(cfg, layers, data.micro_batch_size, data.smallest_micro_batch(),
+                           world_size)
+
+
+def test_batchnorm_with_one_sample_in_a_micro_batch_is_one_line_naming_the_settings():
+    with pytest.raises(UserError) as refused:
+        batch_statistics(2, "train.global_batch_size=2")
+    assert str(refused.value) == (
+        "BatchNorm layer net.1 (BatchNorm1d) needs more than 1 value per channel to train, and "
+        "a training micro-batch holds 1 sample (train.global_batch_size=2 over 2 process(es)): "
+        "use a larger train.global_batch_size or model.sync_batchnorm=true (statistics over all "
+        "2 processes)")
+    with pytest.raises(UserError, match="over 1 process\\(es\\) and 4 accumulation steps\\): use "
+                       "a larger train.global_batch_size or fewer accumulation steps$"):
+        batch_statistics(1, "train.global_batch_size=4", "train.grad_accum_steps=4")
+    # 228 training samples in micro-batches of 227: the epoch's last one holds 1 sample.
+    with pytest.raises(UserError, match="an epoch's last micro-batch holds 1 sample"):
+        batch_statistics(1, "train.global_batch_size=227")
+    batch_statistics(1, "train.global_batch_size=227", "train.limit_train_batches=1")  # not read
+    batch_statistics(2, "train.global_batch_size=2", "model.sync_batchnorm=true")  # 2 samples
+    batch_statistics(1, "train.global_batch_size=1", *IMAGES)  # 1 image: 8 x 8 values a channel
+
+
+@pytest.mark.parametrize(("dataset", "where"), [("words", "sample[0] is 'word 0'"),
+                                                ("bare_words", "sample is 'word 0'")])
+def test_a_dataset_returning_text_is_one_line_naming_it(dataset, where):
+    cfg = load_config([*TINY, f"data.dataset={fixture(dataset)}"])
+    data = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu"))
+    with pytest.raises(UserError) as refused:
+        data.first_samples()
+    assert str(refused.value) == (
+        f"data.dataset={fixture(dataset)} returned text as a training sample ({where}, a str), "
+        "which no model or loss takes: return tensors, numpy arrays or numbers (tokenise the "
+        "text in the dataset), or give its Splits a collate that makes tensors of a batch "
+        "(Splits(collate=...))")
+    # Text in dict samples (Hugging Face style) is the model's, by keyword: kept.
+    cfg = load_config([*TINY, f"data.dataset={fixture('dict_words')}"])
+    batch = DataModule(cfg, DistEnv(0, 0, 1, False), torch.device("cpu")).sample_batch(2)
+    assert batch["text"] == ["word 0", "word 1"]
+
+
+def test_a_dataset_that_loader_workers_cannot_receive_is_one_line_naming_the_fix():
+    lambdas = [*TINY, f"data.dataset={fixture('lambda_vectors')}", "data.num_workers=2"]
+    with pytest.raises(UserError) as refused:
+        DataModule(load_config(lambdas), DistEnv(0, 0, 1, False), torch.device("cpu"))
+    start, _, rest = str(refused.value).partition(" (")
+    why, _, fix = rest.partition("): ")
+    assert start == (f"data.dataset={fixture('lambda_vectors')}: its train split cannot be sent "
+                     "to the data.num_workers=2 loader processes, which "
+                     "data.worker_start_method=forkserver starts by pickling it")
+    assert "lambda" in why  # pickle's own words, which vary with the Python version
+    assert fix == ("use a module-level function instead of a lambda or a local function, or, on "
+                   "CPU, data.worker_start_method=fork")
+    forked = DataModule(load_config([*lambdas, "data.worker_start_method=fork"]),
+                        DistEnv(0, 0, 1, False), torch.device("cpu"))
+    assert len(next(iter(forked.train_batches(0)))) == 2  # (inputs, targets) from a worker

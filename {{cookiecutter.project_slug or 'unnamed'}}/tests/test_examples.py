@@ -5,10 +5,13 @@ import numpy as np
 import pytest
 import torch
 
+from ddpkit import datasets
 from ddpkit.config import load_config
 from ddpkit.data import DataModule
+from ddpkit.datasets import DATASETS
 from ddpkit.dist_utils import DistEnv
 from ddpkit.parallel import build_model
+from ddpkit.schema import DATASET_NAMES, declarations
 from ddpkit.tasks import build_task
 
 ONE = DistEnv(0, 0, 1, False)
@@ -78,3 +81,42 @@ def test_example_models_give_one_output_per_class(name, dataset):
                         task.num_outputs)
     assert model(sample[0][None]).shape == (1, 10)
     assert np.isfinite(model(sample[0][None]).detach().numpy()).all()
+
+
+class ReadsRecorded:
+    """A data section that notes each key a builder reads (as attribute, item or get)."""
+
+    def __init__(self, section):
+        self.section, self.read = section, set()
+
+    def __getattr__(self, key):
+        self.read.add(key)
+        return self.section[key]
+
+    __getitem__ = __getattr__
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return self.section.get(key, default)
+
+
+def test_each_data_setting_names_the_built_in_datasets_that_read_it(tmp_path, monkeypatch):
+    """A data setting that only some built-in datasets read names them in its acts_with, so that
+    given with another it is named as having no effect (config.inactive_settings); the
+    declarations are held to what each builder really reads. The folders of digits_files and
+    digits_shards are written afresh, as on first use (written, they are read as they are)."""
+    monkeypatch.setattr(datasets, "PROJECT_DIR", tmp_path)
+    built_in = [name for name, builder in DATASETS.items()  # (not those of data_sources.py)
+                if builder.__module__ in ("ddpkit.datasets", "ddpkit.tokens")]
+    assert tuple(built_in) == DATASET_NAMES
+    reads = {}
+    for name in DATASET_NAMES:
+        section = ReadsRecorded(load_config([f"data.dataset={name}"]).data)
+        DATASETS[name](section)
+        reads[name] = {f"data.{key}" for key in section.read}
+    read_by_some = set.union(*reads.values()) - set.intersection(*reads.values())
+    declared = {key: tuple(d.acts_with[1:]) for key, d in declarations().items()
+                if d.acts_with[:1] == ("data.dataset",)}
+    assert set(declared) == read_by_some
+    assert {key: tuple(name for name in DATASET_NAMES if key in reads[name])
+            for key in declared} == declared

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import TINY, run
+from conftest import TINY, fixture, run
 
 
 def one_error(result) -> str:
@@ -64,9 +64,17 @@ def test_what_the_data_decides_is_refused_or_warned_at_start_up(tmp_path):
     assert one_error(refused) == (
         "error: train.best_metric=r2 is not a validation metric of the multiclass task: choose "
         "one of loss, accuracy, average_precision_macro")
+    # BatchNorm with 1 sample a micro-batch: from the model's layers, before any step.
+    refused = run([sys.executable, "train.py", *TINY, "model.batchnorm=true",
+                   "train.global_batch_size=1", f"run.output_dir={tmp_path}"])
+    assert one_error(refused) == (
+        "error: BatchNorm layer net.1 (BatchNorm1d) needs more than 1 value per channel to "
+        "train, and a training micro-batch holds 1 sample (train.global_batch_size=1 over 1 "
+        "process(es)): use a larger train.global_batch_size")
     assert list(tmp_path.iterdir()) == []
     warned = run([sys.executable, "train.py", *TINY, "train.max_steps=15",
                   "train.val_every_steps=100", "optim.gamma=0.5", "ddp.static_graph=true",
+                  "train.estimate_windows=64", "guard.enabled=true", "guard.spike_factor=3",
                   f"run.output_dir={tmp_path}"])
     assert warned.returncode == 0, warned.stdout
     notes = [line.split(" ", 1)[1] for line in warned.stdout.splitlines()
@@ -75,4 +83,9 @@ def test_what_the_data_decides_is_refused_or_warned_at_start_up(tmp_path):
         "optim.gamma=0.5 has no effect with optim.schedule=cosine: it acts only with "
         "optim.schedule=step or multistep or plateau",
         "train.val_every_steps=100 has no effect: the run has 15 steps, so it validates only at "
-        "the end of each epoch"]
+        "the end of each epoch",
+        f"train.estimate_windows=64 has no effect: the training split of data.dataset="
+        f"{fixture('vectors')} is not drawn with replacement (a streams.SampledStream, as "
+        "data.dataset=tokens gives)",
+        "guard.window=100 has no effect: the run has 15 steps, so guard.spike_factor=3.0 never "
+        "judges one (it waits for guard.window updated steps first): lower guard.window"]

@@ -233,6 +233,25 @@ def test_a_sweep_with_a_trial_that_would_be_refused_starts_none(tmp_path):
         ": fix it and run again"), line
 
 
+def test_a_slurm_array_that_sbatch_cannot_submit_leaves_nothing(tmp_path):
+    # sbatch as it fails where no SLURM controller answers.
+    (tmp_path / "bin").mkdir()
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Unable to "
+                      "contact slurm controller (connect failure)' >&2\nexit 1\n")
+    sbatch.chmod(0o755)
+    out = tmp_path / "sweeps"
+    result = run([sys.executable, "sweep.py", "--slurm", "--out", str(out), *TINY,
+                  "optim.lr=1e-3,2e-3"], timeout=120,
+                 PATH=f"{tmp_path / 'bin'}:{command_env()['PATH']}")
+    assert result.returncode == 2
+    assert result.stdout.strip().splitlines() == [
+        "error: sbatch did not submit the job array (sbatch: error: Batch job submission failed: "
+        "Unable to contact slurm controller (connect failure)): run the same command again once "
+        "sbatch works"]
+    assert not out.exists()
+
+
 def test_bad_sweep_options_are_one_line_before_anything_is_written(monkeypatch):
     def check(*argv: str) -> None:
         check_args(build_parser().parse_args([*argv, "optim.lr=1e-3,2e-3"]))

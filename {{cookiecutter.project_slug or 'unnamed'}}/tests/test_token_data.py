@@ -204,7 +204,7 @@ def model_files(tmp_path_factory) -> dict[str, Path]:
         cfg = load_config([*LM_RUN, f"data.root={folder}", f"model.name={name}"])
         model = build_model(cfg.model, (16,), len(set(TEXT)))
         path = root / f"{name.split(':')[-1]}.pt"
-        checkpoint.export_model(model.state_dict(), path, 0, cfg)
+        checkpoint.export_model(model.state_dict(), path, 0, cfg, "trained")
         files[name.split(":")[-1]] = path
     files["tokens"] = folder
     return files

@@ -5,8 +5,10 @@ run on this machine or submitted as a SLURM job array (sweep_main), or an Optuna
 into exit 130 (Ctrl-C) or 75 (SIGTERM or SIGHUP: stopped on purpose, as a preempted run)."""
 
 import argparse
+import contextlib
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -148,9 +150,18 @@ def sweep_main(args) -> int:
         check_trials(args, fixed, planned)  # the draws themselves: a whole-number range's inside
     drawn_from = {"space": {key: list(spec) for key, spec in space.items()},
                   "random": args.random, "seed": args.seed}
+    out_existed = args.out.exists()
     sweep = open_sweep(args, space, fixed, drawn_from, planned)
     if args.slurm:
-        return submit_array(sweep, args)
+        try:
+            return submit_array(sweep, args)
+        except UserError:
+            if planned is not None:  # the folder is this command's: nothing of it is left
+                shutil.rmtree(sweep.folder, ignore_errors=True)
+                if not out_existed:
+                    with contextlib.suppress(OSError):
+                        args.out.rmdir()
+            raise
     run_local(sweep, devices, args.max_parallel)
     return write_sweep_summary(sweep)
 

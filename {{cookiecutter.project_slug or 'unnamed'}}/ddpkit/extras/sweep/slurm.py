@@ -56,10 +56,16 @@ def submit_array(sweep: Sweep, args) -> int:
     if args.dry_run:
         print(f"wrote {script} (not submitted: --dry-run)")
         return 0
-    result = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True,
-                            text=True, check=False)
+    try:
+        result = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True,
+                                text=True, check=False)
+    except FileNotFoundError:
+        raise UserError("sbatch not found: --slurm submits the trials with SLURM's sbatch; run "
+                        "it on a machine of the cluster, or drop --slurm") from None
     if result.returncode != 0:
-        raise UserError(f"sbatch refused {script}: {result.stderr.strip() or result.stdout}")
+        said = (result.stderr.strip() or result.stdout.strip()).splitlines() or ["no message"]
+        raise UserError(f"sbatch did not submit the job array ({said[-1]}): run the same "
+                        "command again once sbatch works")
     print(f"submitted job array {result.stdout.strip()} ({len(todo)} trial(s)); when it has "
           f"ended, `python sweep.py --summary {sweep.folder}` writes the summary")
     return 0
