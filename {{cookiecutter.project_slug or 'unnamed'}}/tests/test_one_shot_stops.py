@@ -51,7 +51,7 @@ def model_file(tmp_path_factory) -> Path:
     recipes.load()
     path = root / "model.pt"
     checkpoint.export_model(build_model(cfg.model, (16,), len(set(TEXT))).state_dict(), path,
-                            0, cfg)
+                            0, cfg, "trained")
     return path
 
 
