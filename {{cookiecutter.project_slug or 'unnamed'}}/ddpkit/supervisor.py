@@ -67,6 +67,10 @@ class Preempted(Exception):
     """Every rank agreed to stop for a preemption signal (after saving, in training)."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C that stopped training, on rank 0: its message says where the run stands."""
+
+
 class Supervisor:
     """Watches the job from every rank: preemption signals, and collectives that never finish.
 
