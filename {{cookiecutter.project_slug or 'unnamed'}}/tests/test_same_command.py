@@ -3,7 +3,7 @@ the same command continues"): which run it picks; after SIGTERM and after Ctrl-C
 (`python train.py`) and at 2 (`./run.sh`; SIGTERM there: test_cluster.py), the command the run's
 last line prints continues it in its folder from the saved step, to the weights of an
 uninterrupted run; the same command with a setting changed starts a new folder, and its line says
-how to continue the old one."""
+how to continue the old one; a stop inside the run's last validation loses nothing."""
 
 import fcntl
 import json
@@ -21,6 +21,8 @@ from omegaconf import OmegaConf
 from test_faults import epoch_records, final_model, finish, wait_for
 
 from conftest import PROJECT, TINY, command_env, fixture, only_run_dir, run
+from ddpkit.checkpoint_files import list_checkpoints
+from ddpkit.checkpoint_load import load_checkpoint
 from ddpkit.config import load_config
 from ddpkit.run_folder import continued_run, job_id
 
@@ -195,3 +197,43 @@ def test_a_changed_setting_starts_a_new_folder_and_says_how_to_continue_the_old_
             "0.02") in continued.stdout
     assert json.loads((old / "summary.json").read_text())["status"] == "done"
     assert sorted(tmp_path.iterdir()) == sorted([old, new[0]])
+
+
+def summary_without_timings(run_dir: Path) -> dict:
+    """summary.json but for its timings (throughput), the best checkpoint named within the run."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    del summary["throughput"]
+    if summary["best_checkpoint"]:
+        summary["best_checkpoint"] = str(Path(summary["best_checkpoint"]).relative_to(run_dir))
+    return summary
+
+
+def final_validation_state(run_dir: Path) -> dict:
+    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])["validation"]
+
+
+def stopped_in_last_validation(output_dir: Path, command: list[str], validations: int,
+                               **env: str) -> tuple[Path, str]:
+    """`command` (tests/preempt_in_validation.py) preempted inside its last validation, the
+    validation number `validations`: its run folder and the command its line prints."""
+    output = stopped_in(output_dir, command, signal.SIGTERM, "PREEMPT_MARKER",
+                        PREEMPT_VALIDATION=str(validations), **env)
+    run_dir = only_run_dir(output_dir)
+    line = printed_line(rf"^preempted: saved step (\d+) in {re.escape(str(run_dir))}; to "
+                        r"continue from there, run the same command again: (.+)$", output)
+    return run_dir, line[2]
+
+
+@pytest.mark.slow
+def test_a_stop_in_the_last_validation_is_validated_again_by_the_same_command(tmp_path,
+                                                                              reference):
+    command = ["python", "tests/preempt_in_validation.py", *HELD, f"run.output_dir={tmp_path}"]
+    run_dir, printed = stopped_in_last_validation(tmp_path, command, 3)
+    uninterrupted = reference(1)
+    assert epoch_records(run_dir) == epoch_records(uninterrupted)[:2]  # the third not done
+
+    again = run_printed(printed)
+    assert again.returncode == 0, again.stdout
+    assert epoch_records(run_dir) == epoch_records(uninterrupted)  # but for *_seconds
+    assert summary_without_timings(run_dir) == summary_without_timings(uninterrupted)
+    assert final_validation_state(run_dir) == final_validation_state(uninterrupted)
