@@ -5,7 +5,7 @@ run.sh passes its own command line to the workers, shell-quoted (RUN_SH_COMMAND:
 of several nodes, where each node has a command of its own); a process started as `python
 <script> ...` writes its own; under a bare torchrun the words say it. Which run folder the same
 command then continues: run_folder.py (docs/checkpoints.md, "Which run the same command
-continues").
+continues"); replica groups find theirs by the job id alone, which the line names.
 """
 
 import os
@@ -28,6 +28,8 @@ def known_command() -> str | None:
 def run_again(*added: str) -> str:
     """'run the same command again', for a message: the command itself where it is known, with
     the arguments `added` at its end (run.dir=<folder>, say)."""
+    if os.environ.get("REPLICA_GROUP") and not added:  # (extras/replicas/launch.py)
+        return f"run the same command again with RDZV_ID={os.environ.get('DDP_JOB_ID', '')}"
     command, extra = known_command(), shlex.join(added)
     with_extra = f" with {extra} added" if added else " again"
     if command:
