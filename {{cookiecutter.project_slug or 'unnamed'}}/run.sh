@@ -17,9 +17,11 @@
 #   DDP_CACHE_DIR   where torchrun's --help is kept between launches (~/.cache/ddp-template)
 #
 # Exit status: 0 done, 2 a mistake in the input or the setup (one line says which), 75 preempted
-# (SIGTERM, SIGUSR1 or SIGHUP: a checkpoint was saved, or the workers had not started: run the
-# same command again, with the same RDZV_ID or SLURM job, and it continues), 130 interrupted
-# (SIGINT, Ctrl-C), 1 the job stalled or failed (the report says which rank and where).
+# (SIGTERM, SIGUSR1 or SIGHUP: a checkpoint was saved, or the workers had not started), 130
+# interrupted (SIGINT, Ctrl-C: no checkpoint saved), 1 the job stalled or failed (the report says
+# which rank and where). After 75, 130 or 1 (its cause fixed) the same command again continues the
+# run from its newest checkpoint; the last line of 75 and 130 prints that command
+# (docs/checkpoints.md: "Which run the same command continues").
 # torchrun itself exits 0 or 1 (docs/launch-and-clusters.md: "Exit statuses and restarts" says
 # why they differ).
 #
@@ -29,16 +31,28 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
+# This launch's command, shell-quoted, for the lines that tell how to continue it (the workers'
+# too): NPROC_PER_NODE and NNODES where they are set, this script as it was called, its arguments.
+same_command=""
+for name in NPROC_PER_NODE NNODES; do
+  if [[ -n "${!name:-}" ]]; then same_command+="$name=$(printf '%q' "${!name}") "; fi
+done
+script="$0"
+if [[ "$script" != */* ]]; then script="./$script"; fi  # (bash run.sh)
+same_command+="$(printf '%q' "$script")"
+if [[ $# -gt 0 ]]; then same_command+="$(printf ' %q' "$@")"; fi
+export RUN_SH_COMMAND="$same_command"
+
 # Until torchrun starts, a signal ends the launch at once (the EXIT trap below cleans up); the
 # preflight runs in the background, as `wait` returns on a signal and a foreground command would
 # hold the trap back until it ends.
 # shellcheck disable=SC2329  # called by the traps
 stop_before_launch() {
   if [[ "$1" == INT ]]; then
-    echo "interrupted before the workers started" >&2
+    echo "interrupted before the workers started: run the same command again to start them: $same_command" >&2
     exit 130
   fi
-  echo "stopped by SIG$1 before the workers started, nothing to save: run the same command again" >&2
+  echo "stopped by SIG$1 before the workers started, nothing to save: run the same command again: $same_command" >&2
   exit 75
 }
 for signal in TERM HUP USR1 INT; do
@@ -154,11 +168,14 @@ done
 status=0
 wait "$launcher" 2>/dev/null || status=$?  # (bash would report a torchrun killed here)
 if [[ -n "$interrupted" ]]; then
-  echo "interrupted (SIGINT): the job stopped" >&2
+  # Once training has started, rank 0 has said at which step and from which checkpoint.
+  if [[ "$(head -c 40 "$RUN_SH_STATUS_FILE" 2>/dev/null)" != interrupted* ]]; then
+    echo "interrupted (SIGINT): the job stopped; to continue it (from its newest checkpoint, if it saved one), run the same command again: $same_command" >&2
+  fi
   exit 130
 fi
 if [[ -n "$stopped_early" && "$status" -eq 137 ]]; then  # (not a job that ended meanwhile)
-  echo "stopped by SIG$stopped_early before the workers started, nothing to save: run the same command again" >&2
+  echo "stopped by SIG$stopped_early before the workers started, nothing to save: run the same command again: $same_command" >&2
   exit 75
 fi
 case "$(head -c 40 "$RUN_SH_STATUS_FILE" 2>/dev/null)" in

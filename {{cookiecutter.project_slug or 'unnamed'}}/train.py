@@ -68,8 +68,7 @@ def train_epochs(run: Run) -> None:
     # Settings the loop reads every step, as plain numbers (an OmegaConf read is far slower).
     epochs, grad_clip = cfg.train.epochs, cfg.optim.grad_clip
     profiler = StepProfiler(cfg, run.run_dir, run.env.rank, device, position.step)
-    if validation.interrupted_at == position.step:  # preempted inside it: validate again
-        validated(run, validate(run, mid_epoch=True))
+    validate_again(run)
     while (position.epoch < epochs and position.step < run.total_steps
            and not validation.stopped_early):
         model.train()
@@ -100,13 +99,36 @@ def train_epochs(run: Run) -> None:
                 training_log.restart_clock()  # the write is not training time of the next window
             if position.step == run.total_steps or validation.stopped_early:
                 break
-        training_log.end_training(position.step)
         bar.close()
-        if not validation.stopped_early:
-            validated(run, validate(run))
-        if position.step_in_epoch >= data.steps_per_epoch:
-            position.epoch, position.step_in_epoch = position.epoch + 1, 0
+        end_epoch(run)
     profiler.close()
+
+
+def end_epoch(run: Run) -> None:
+    """The epoch's steps done (or the run's): its validation, then the next epoch if this one
+    is whole."""
+    position = run.position
+    run.training_log.end_training(position.step)
+    if not run.validation.stopped_early:
+        validated(run, validate(run))
+    if position.step_in_epoch >= run.data.steps_per_epoch:
+        position.epoch, position.step_in_epoch = position.epoch + 1, 0
+
+
+def validate_again(run: Run) -> None:
+    """A resumed run whose job was preempted inside a validation runs it again first: a
+    step-cadence one, or the epoch's last, which then ends the epoch as it would have (also
+    once the run's steps are all done, when the loop does not run again). The checkpoint of
+    this step was saved before that validation: it is saved again (keep_best's or the end's)."""
+    validation, step = run.validation, run.position.step
+    if step not in (validation.interrupted_at, validation.interrupted_at_end):
+        return
+    run.checkpointer.last_saved = -1
+    if step == validation.interrupted_at:
+        validated(run, validate(run, mid_epoch=True))
+        return
+    run.training_log.start_epoch(resumed_within=True)
+    end_epoch(run)
 
 
 def validated(run: Run, record: dict | None) -> None:

@@ -1,6 +1,7 @@
 """How a process of the job ends, and how it tells run.sh the way the job ended (its status
 file: `error: <message>`, `preempted`, `stalled`, `failed` or `crashed` (ddpkit/crashes.py),
-which run.sh turns into exit status 2, 75, 1, 1 or 1).
+which run.sh turns into exit status 2, 75, 1, 1 or 1; `interrupted`: rank 0 has said where a
+Ctrl-C left the run, so run.sh adds no line of its own).
 """
 
 import atexit
@@ -84,7 +85,8 @@ def world_size_given() -> int:
 
 def tell_run_sh(status: str) -> None:
     """Tell run.sh how the job ended (its status file): `error: <message>`, `preempted`,
-    `stalled` or `failed`. run.sh exits 2, 75, 1 or 1 for them, whatever torchrun returns."""
+    `stalled` or `failed`. run.sh exits 2, 75, 1 or 1 for them, whatever torchrun returns
+    (`interrupted`: 130, as for any Ctrl-C)."""
     status_file = os.environ.get("RUN_SH_STATUS_FILE")
     if status_file:
         Path(status_file).write_text(status + "\n")

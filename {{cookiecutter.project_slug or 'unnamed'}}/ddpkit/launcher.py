@@ -160,7 +160,11 @@ def worker_environment(settings: LaunchSettings, launch_folder: Path) -> list[st
     }
     if settings.replica_groups:
         defaults["RUST_LOG"] = "warn"  # torchft's Manager logs every quorum at info
-    return [f"{name}={os.environ.get(name) or value}" for name, value in defaults.items()]
+    environment = [f"{name}={os.environ.get(name) or value}" for name, value in defaults.items()]
+    if settings.nnodes != "1" or settings.replica_groups:
+        # run.sh's command line is this node's: the lines of rank 0 say "on every node" instead.
+        environment.append("RUN_SH_COMMAND=")
+    return environment
 
 
 # torchrun's flags differ between torch versions (2.9 to 2.14 here), and torchrun stops at one it

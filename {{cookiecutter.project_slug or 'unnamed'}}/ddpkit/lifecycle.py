@@ -30,6 +30,7 @@ from ddpkit.exits import (
 )
 from ddpkit.project import PREEMPTED_EXIT, UserError
 from ddpkit.supervisor import (
+    Interrupted,
     Preempted,
     Stopped,
     handle_signals,
@@ -177,10 +178,14 @@ def install() -> None:
         os._exit(0)
 
 
-def leave_interrupted() -> NoReturn:
-    """Ctrl-C: leave at once. No destroy_process_group: a peer interrupted in the middle of a
-    collective would leave it waiting. Under run.sh, which passed the Ctrl-C on and exits 130
-    itself, exit 0, so that torchrun restarts none of the workers; elsewhere 130."""
+def leave_interrupted(where: str = "") -> NoReturn:
+    """Ctrl-C: leave at once, rank 0 saying `where` the run stands when training had started
+    (run.sh then adds no line of its own). No destroy_process_group: a peer interrupted in the
+    middle of a collective would leave it waiting. Under run.sh, which passed the Ctrl-C on and
+    exits 130 itself, exit 0, so that torchrun restarts none of the workers; elsewhere 130."""
+    if where:
+        print(f"interrupted (SIGINT) {where}", file=sys.stderr, flush=True)
+        tell_run_sh("interrupted")
     exit_now(0 if os.environ.get("RUN_SH_STATUS_FILE") else 130)
 
 
@@ -220,8 +225,8 @@ def run_main(main: Callable[[list[str]], None], one_shot: bool = False) -> None:
             if os.environ.get("LOCAL_RANK", "0") == "0":  # every node's run.sh exits 75
                 tell_run_sh("preempted")
         leave(0 if os.environ.get("RUN_SH_STATUS_FILE") else PREEMPTED_EXIT)
-    except KeyboardInterrupt:
-        leave_interrupted()
+    except KeyboardInterrupt as stop:
+        leave_interrupted(str(stop) if isinstance(stop, Interrupted) else "")
     except Exception as error:
         if UNUSED_PARAMETERS in str(error):
             # DDP's own message is a page long; the fix is one setting. Every rank runs the same

@@ -4,7 +4,8 @@ from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]  # the folder of train.py and your files
 # run.sh's exit status when the job stopped on purpose with a checkpoint saved (sysexits'
-# EX_TEMPFAIL): the same command resumes. Every launcher restarts on it (targets.py).
+# EX_TEMPFAIL): the same command resumes, on any launcher (run_folder.continued_run; its line
+# prints that command). Every cluster launcher restarts on it (targets.py).
 PREEMPTED_EXIT = 75
 
 

@@ -30,9 +30,11 @@ NEW_OPTIMIZER = ("optim.name", "optim.param_groups")
 NOT_COMPARED = ("run.name", "run.output_dir", "run.dir", "train.resume")
 
 
-def changed_settings(cfg: DictConfig, saved: dict | None) -> dict[str, tuple]:
-    """Each setting whose value differs from the one a checkpoint was written with:
-    name -> (checkpoint's value, this run's). Empty for a checkpoint that holds no config."""
+def changed_settings(cfg: DictConfig, saved: dict | None, ignored: tuple = NOT_COMPARED
+                     ) -> dict[str, tuple]:
+    """Each setting whose value differs from the one a checkpoint was written with (but those
+    `ignored`): name -> (checkpoint's value, this run's). Empty for a checkpoint that holds no
+    config."""
     if not saved:
         return {}
     old, new = (OmegaConf.to_container(c) for c in (OmegaConf.create(saved), cfg))
@@ -41,7 +43,7 @@ def changed_settings(cfg: DictConfig, saved: dict | None) -> dict[str, tuple]:
         for name, value in values.items() if isinstance(values, dict) else ():
             key = f"{section}.{name}"
             before = old.get(section, {}).get(name, value)
-            if key not in NOT_COMPARED and before != value:
+            if key not in ignored and before != value:
                 changes[key] = (before, value)
     return changes
 

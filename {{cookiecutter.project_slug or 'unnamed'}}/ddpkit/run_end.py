@@ -9,10 +9,11 @@ from pathlib import Path
 
 from ddpkit import checkpoint, dist_utils, report, supervisor, weight_choice, writes
 from ddpkit.blocks import compile_seconds
-from ddpkit.checkpoint_files import MODEL_FILE
+from ddpkit.checkpoint_files import MODEL_FILE, list_checkpoints
 from ddpkit.evaluation import run_folder_choice
 from ddpkit.parallel import ModelState
 from ddpkit.run_state import Run
+from ddpkit.same_command import run_again
 
 log = logging.getLogger("ddp")
 
@@ -80,15 +81,15 @@ def stop_for_preemption(run: Run) -> None:
     from ddpkit.extras.elastic import stopped_by_torchrun
 
     then = ("torchrun starts the workers again from there (a node joined or left the "
-            "elastic job)" if stopped_by_torchrun()
-            else "run the same command again to continue from there")
+            "elastic job)" if stopped_by_torchrun() else f"to continue from there, {run_again()}")
     raise supervisor.Preempted(f"saved step {run.position.step} in {run.run_dir}; {then}")
 
 
 @contextlib.contextmanager
 def summary_on_failure(run: Run):
     """summary.json says how a run that did not finish ended: "failed" (an error) or
-    "interrupted" (Ctrl-C); a preemption has written "preempted" itself."""
+    "interrupted" (Ctrl-C, which rank 0 then describes: supervisor.Interrupted); a preemption
+    has written "preempted" itself."""
     try:
         yield
     except supervisor.Preempted:
@@ -98,7 +99,20 @@ def summary_on_failure(run: Run):
             status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
             with contextlib.suppress(Exception):  # never hide the error that ended the run
                 write_summary(run, status)
+            if isinstance(error, KeyboardInterrupt):
+                raise supervisor.Interrupted(where_interrupted(run)) from None
         raise
+
+
+def where_interrupted(run: Run) -> str:
+    """Where a Ctrl-C left the run (no checkpoint is saved on one), and what continues it."""
+    checkpoints = list_checkpoints(run.checkpointer.folder)
+    if not checkpoints:
+        return (f"at step {run.position.step}, before the first checkpoint of {run.run_dir}: "
+                f"to start it again from step 0, {run_again()}")
+    saved = int(checkpoints[-1].name.removeprefix("step-"))
+    return (f"at step {run.position.step}; the newest checkpoint of {run.run_dir} is step "
+            f"{saved}: to continue from there, {run_again()}")
 
 
 def save_and_export(run: Run) -> None:

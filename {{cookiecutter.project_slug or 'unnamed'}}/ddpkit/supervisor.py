@@ -111,6 +111,10 @@ def _interrupt_and_hold(number, frame) -> None:
         raise
 
 
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C that stopped training, on rank 0: its message says where the run stands."""
+
+
 class Supervisor:
     """Watches the job from every rank: preemption signals, and collectives that never finish.
 

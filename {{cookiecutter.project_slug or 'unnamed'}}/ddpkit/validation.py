@@ -6,7 +6,8 @@ validations without improvement).
 A validation leaves training as it found it: the random generators are put back afterwards,
 so a run trains bitwise the same whatever its validation cadence. The best and the patience
 count travel in every checkpoint; a validation cut short by a preemption is run again by the
-resumed job, so the best stays the best through any number of requeues.
+resumed job (an epoch's last too, and the run's last once its steps are all done), so the best
+stays the best and metrics.jsonl holds every validation through any number of requeues.
 """
 
 import logging
@@ -41,7 +42,10 @@ class Validation:
         self.reference: float | None = None  # the value the patience count measures against
         self.waited = 0  # validations since the last improvement (by more than min_delta)
         self.stopped_early = False
-        self.interrupted_at = -1  # a step-cadence validation preempted there: run it again
+        # A validation a preemption cut short at that step, which the resumed job runs again: a
+        # step-cadence one, or an epoch's last (two entries: 1.1.0 reads the first alone).
+        self.interrupted_at = -1
+        self.interrupted_at_end = -1
 
     def due(self, position: Position, steps_per_epoch: int, total_steps: int) -> bool:
         """Whether a step-cadence validation is due now (the epoch's end has its own)."""
@@ -79,13 +83,15 @@ class Validation:
 
     def state_dict(self) -> dict:
         return {"best": self.best, "reference": self.reference, "waited": self.waited,
-                "stopped_early": self.stopped_early, "interrupted_at": self.interrupted_at}
+                "stopped_early": self.stopped_early, "interrupted_at": self.interrupted_at,
+                "interrupted_at_end": self.interrupted_at_end}
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.reference = state.get("best"), state.get("reference")
         self.waited = int(state.get("waited", 0))
         self.stopped_early = bool(state.get("stopped_early", False))
         self.interrupted_at = int(state.get("interrupted_at", -1))
+        self.interrupted_at_end = int(state.get("interrupted_at_end", -1))
 
 
 def higher_is_better(metric: str, mode: str, task: Task) -> bool:
@@ -127,7 +133,8 @@ def validate(run, mid_epoch: bool = False) -> dict | None:
         if val is not None:  # train.estimate_windows: sampled losses beside it
             val = estimates.with_estimates(run, val)
     set_rng_state(generators)  # training's random streams, as if it had not run
-    validation.interrupted_at = (position.step if mid_epoch else -1) if val is None else -1
+    validation.interrupted_at = position.step if val is None and mid_epoch else -1
+    validation.interrupted_at_end = position.step if val is None and not mid_epoch else -1
     if val is None:
         return None
     if mid_epoch:

@@ -122,6 +122,39 @@ def recorded_vectors(cfg) -> Splits:
     return splits
 
 
+class HeldSamples(TensorSamples):
+    """The training split of `held_vectors`: with HOLD_AT_STEP=k in the environment, every rank
+    holds the read of step k's batch (steps counted over the run from 1) until a signal comes
+    (SIGTERM is noted, Ctrl-C raises), rank 0 first creating the file HOLD_MARKER. A test's
+    signal then comes at step k however fast the machine; without HOLD_AT_STEP (the same
+    command run again) these are vectors' samples, read as they are."""
+
+    order: RecordedOrder
+
+    def __getitem__(self, index):
+        if isinstance(index, (int, np.integer)):  # a sample looked at, not a batch trained on
+            return self.inputs[index], self.targets[index]
+        hold_at = int(os.environ.get("HOLD_AT_STEP", "0"))
+        if hold_at:
+            batch = len(index) * int(os.environ.get("WORLD_SIZE", "1"))  # (every step's full)
+            step = (self.order.epoch * math.ceil(len(self) / batch)
+                    + self.order.place[int(index[0])] // batch + 1)
+            if step == hold_at:
+                if os.environ.get("RANK", "0") == "0":
+                    Path(os.environ["HOLD_MARKER"]).touch()
+                while not supervisor.PREEMPTION_SIGNALS_RECEIVED:
+                    time.sleep(0.05)  # waiting for a signal, which the handler notes or raises
+        return super().__getitem__(index)
+
+
+def held_vectors(cfg) -> Splits:
+    """vectors whose training reads hold at a step until a signal comes (HeldSamples)."""
+    splits = vectors(cfg)
+    splits.train = HeldSamples(splits.train.inputs, splits.train.targets)
+    splits.train_sampler = RecordedOrder
+    return splits
+
+
 def images(cfg) -> Splits:
     """4 classes of noisy 3x12x12 colour patterns (multiclass, image-shaped)."""
     rng = np.random.default_rng(cfg.split_seed)

@@ -1,7 +1,8 @@
 """train.py that lets a test preempt it inside a validation: at validation number
 PREEMPT_VALIDATION, rank 0 creates the file PREEMPT_MARKER and every rank waits for its
-preemption signal before validating. Run by test_cluster.py through run.sh, which then sends
-SIGTERM: the signal arrives while the job is validating, however fast this machine is."""
+preemption signal before validating. Run by test_cluster.py through run.sh (and by
+test_same_command.py on one process too), which then sends SIGTERM: the signal arrives while the
+job is validating, however fast this machine is."""
 
 import os
 import sys
@@ -19,8 +20,8 @@ calls = [0]
 
 def evaluate_after_the_signal(*args, **kwargs):
     calls[0] += 1
-    if calls[0] == int(os.environ["PREEMPT_VALIDATION"]):
-        if os.environ["RANK"] == "0":
+    if calls[0] == int(os.environ.get("PREEMPT_VALIDATION", "0")):  # (unset: run again)
+        if os.environ.get("RANK", "0") == "0":  # (one process: no RANK)
             Path(os.environ["PREEMPT_MARKER"]).touch()
         while not supervisor.PREEMPTION_SIGNALS_RECEIVED:  # a signal cuts each wait short
             time.sleep(1)

@@ -5,6 +5,7 @@ per run folder; a stalled rank is named; a full disk is one line; launch mistake
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -69,16 +70,17 @@ def reference(tmp_path_factory) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_sigterm_saves_the_step_reached_and_the_same_command_resumes(tmp_path, reference, trial):
+    """SIGTERM to ./run.sh at 2 processes (test_same_command.py has 1 process, and Ctrl-C), then
+    the command its last line prints, without a job id: the run continues in its folder."""
     args = [*LONG, f"run.output_dir={tmp_path}"]
-    job = {"RDZV_ID": f"preempt-{trial}"}  # what a requeued SLURM job keeps: its job id
     total = EPOCHS * EPOCH_STEPS
     if trial == 0:  # inside the third epoch's validation
         marker = tmp_path.parent / f"{tmp_path.name}-validating"
-        launcher = launch(["tests/preempt_in_validation.py", *args], **job,
-                          PREEMPT_VALIDATION="3", PREEMPT_MARKER=str(marker))
+        args = ["tests/preempt_in_validation.py", *args]
+        launcher = launch(args, PREEMPT_VALIDATION="3", PREEMPT_MARKER=str(marker))
         wait_for(marker.exists, launcher, "the third validation")
     else:
-        launcher = launch(args, **job)
+        launcher = launch(args)
         stop_after = random.Random(trial).randrange(5, total - 5)
         wait_for(lambda: len(logged(tmp_path)) >= stop_after, launcher, f"step {stop_after}")
     os.killpg(launcher.pid, signal.SIGTERM)  # run.sh's process group, as a scheduler does
@@ -91,10 +93,13 @@ def test_sigterm_saves_the_step_reached_and_the_same_command_resumes(tmp_path, r
     if trial == 0:  # the third epoch's steps done, its validation not
         assert saved["step"] == 3 * EPOCH_STEPS and len(epoch_records(run_dir)) == 2
     assert "Traceback" not in output and "restart" not in output.lower(), output
+    printed = output.split(f"preempted: saved step {saved['step']} in {run_dir}; to continue from "
+                           "there, run the same command again: ")[1].splitlines()[0]
+    assert shlex.split(printed) == ["NPROC_PER_NODE=2", "./run.sh", *args]
 
-    again = run(["./run.sh", *args], NPROC_PER_NODE="2", **job)  # the same command, requeued
+    again = run(["bash", "-c", printed])  # as a user pastes it
     assert again.returncode == 0, again.stdout
-    assert f"resumed from {run_dir}" in again.stdout  # the same folder, found by the job id
+    assert f"resumed from {run_dir}" in again.stdout  # the same folder
     resumed = final_model(run_dir)
     assert all(torch.equal(resumed[k], reference["model"][k]) for k in resumed)
     assert epoch_records(run_dir) == reference["epochs"]

@@ -432,6 +432,34 @@ def test_a_killed_lm_run_resumes_bitwise(trained_lm, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_stop_in_the_validation_at_the_end_of_a_run_by_steps_is_validated_again(trained_lm,
+                                                                                   tmp_path):
+    """SIGTERM inside the run's only validation, after its last step: the command the run
+    prints validates, and the records end as the uninterrupted run's."""
+    from test_faults import epoch_records
+    from test_same_command import (
+        final_validation_state,
+        run_printed,
+        stopped_in_last_validation,
+        summary_without_timings,
+    )
+
+    uninterrupted, settings, _ = trained_lm
+    run_dir, printed = stopped_in_last_validation(
+        tmp_path, ["./run.sh", "tests/preempt_in_validation.py", *settings,
+                   f"run.output_dir={tmp_path}"], 1, NPROC_PER_NODE="2")
+    assert not (run_dir / "metrics.jsonl").exists()
+    again = run_printed(printed)
+    assert again.returncode == 0, again.stdout
+    assert epoch_records(run_dir) == epoch_records(uninterrupted)  # but for *_seconds
+    assert summary_without_timings(run_dir) == summary_without_timings(uninterrupted)
+    # The checkpoint of step 30, saved again, holds the validation's outcome (the uninterrupted
+    # run's was saved at step 30 by train.ckpt_every, before its validation).
+    state = final_validation_state(run_dir)
+    assert state["best"]["checkpoint"] == "step-00000030" and state["interrupted_at_end"] == -1
+
+
+@pytest.mark.slow
 def test_resumed_at_3_processes_under_fsdp_the_gpt_trains_on_the_same_windows(trained_lm,
                                                                              tmp_path):
     """The DDP run resumed from its checkpoint of step 10 at 3 processes, its blocks sharded by

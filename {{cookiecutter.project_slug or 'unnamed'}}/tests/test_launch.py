@@ -4,6 +4,7 @@ like one node with as many processes."""
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -240,21 +241,30 @@ def python_wrapper(folder, when_preflight: str) -> str:
     return str(wrapper)
 
 
+def same_command(line: str, prefix: str) -> list[str]:
+    """The command a line of run.sh's that starts with `prefix` prints, as words."""
+    assert line.startswith(prefix), line
+    return shlex.split(line.removeprefix(prefix))
+
+
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_before_the_workers_start_stops_the_launch_as_preempted(tmp_path, number):
     python = python_wrapper(tmp_path / "bin", "echo checking; exec sleep 600")
-    launch = Launch(tmp_path, [*TINY, f"run.output_dir={tmp_path}"], PYTHON=python)
+    args = [*TINY, f"run.output_dir={tmp_path}"]
+    launch = Launch(tmp_path, args, PYTHON=python)
     launch.read_until("checking")
     launch.signal_launcher(number)
     lines = launch.finish()
     assert launch.proc.returncode == 75
-    assert lines == ["checking", f"stopped by {number.name} before the workers started, nothing "
-                     "to save: run the same command again"]
+    assert lines[0] == "checking" and len(lines) == 2
+    assert same_command(lines[1], f"stopped by {number.name} before the workers started, nothing "
+                        "to save: run the same command again: ") == ["./run.sh", *args]
 
 
 def test_sigterm_while_waiting_for_the_other_nodes_stops_the_node(tmp_path):
     port = free_port()
-    launch = Launch(tmp_path, [*TINY, f"run.output_dir={tmp_path}"], NNODES="2", NODE_RANK="0",
+    args = [*TINY, f"run.output_dir={tmp_path}"]
+    launch = Launch(tmp_path, args, NNODES="2", NODE_RANK="0",
                     NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                     RDZV_ID="alone", RDZV_JOIN_TIMEOUT="300")
     launch.read_until(f"waiting up to 300 s for the other nodes at 127.0.0.1:{port}")
@@ -265,8 +275,9 @@ def test_sigterm_while_waiting_for_the_other_nodes_stops_the_node(tmp_path):
     launch.signal_launcher(signal.SIGTERM)
     lines = launch.finish()
     assert launch.proc.returncode == 75, lines
-    assert lines[-1] == ("stopped by SIGTERM before the workers started, nothing to save: run "
-                         "the same command again")
+    assert same_command(lines[-1], "stopped by SIGTERM before the workers started, nothing to "
+                        "save: run the same command again: ") == [
+        "NPROC_PER_NODE=1", "NNODES=2", "./run.sh", *args]
     assert not any("Traceback" in line for line in lines)
 
 
@@ -283,13 +294,16 @@ def torchrun_before_2_10(folder) -> dict:
 @pytest.mark.parametrize("torchrun", ["installed", "before 2.10"])
 def test_ctrl_c_stops_the_job_with_one_line(tmp_path, torchrun):
     env = torchrun_before_2_10(tmp_path / "bin") if torchrun == "before 2.10" else {}
-    launch = Launch(tmp_path, [*TINY, "train.epochs=1000", f"run.output_dir={tmp_path}"],
-                    NPROC_PER_NODE="2", **env)
+    args = [*TINY, "train.epochs=1000", f"run.output_dir={tmp_path}"]
+    launch = Launch(tmp_path, args, NPROC_PER_NODE="2", **env)
     launch.read_until("run folder:")
     launch.signal_group(signal.SIGINT)
     lines = launch.finish()
     assert launch.proc.returncode == 130
-    assert lines[-1] == "interrupted (SIGINT): the job stopped"
+    # Rank 0's line once training started (at step N ...), else run.sh's (the job stopped ...).
+    said = re.fullmatch(r"(interrupted \(SIGINT\).*, run the same command again: ).*", lines[-1])
+    assert said, lines
+    assert same_command(lines[-1], said[1]) == ["NPROC_PER_NODE=2", "./run.sh", *args]
     after = lines[[i for i, line in enumerate(lines) if "run folder:" in line][0] + 1:-1]
     assert [line for line in after if not re.match(r"\d\d:\d\d:\d\d ", line)] == []
 
@@ -301,7 +315,11 @@ def test_a_worker_that_does_not_leave_on_ctrl_c_is_killed_after_shutdown_timeout
     launch = Launch(tmp_path, [str(script)], NPROC_PER_NODE="1", SHUTDOWN_TIMEOUT="1")
     launch.read_until("stuck")
     launch.signal_group(signal.SIGINT)
-    assert launch.finish() == ["stuck", "interrupted (SIGINT): the job stopped"]
+    lines = launch.finish()
+    assert lines[0] == "stuck" and len(lines) == 2
+    assert same_command(lines[1], "interrupted (SIGINT): the job stopped; to continue it (from its "
+                        "newest checkpoint, if it saved one), run the same command again: ") == [
+        "NPROC_PER_NODE=1", "./run.sh", str(script)]
     assert launch.proc.returncode == 130
 
 

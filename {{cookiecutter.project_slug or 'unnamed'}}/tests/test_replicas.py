@@ -95,7 +95,8 @@ def test_the_live_groups_go_on_without_a_lost_one_and_heal_it_when_it_comes_back
 def test_preempted_replica_groups_each_save_and_the_same_command_resumes(tmp_path):
     # SIGTERM to run_replicas.sh while both groups hold before step 40: each group stops at the
     # step its ranks agree on, the leading one writes the checkpoint, each run.sh exits 75; the
-    # same command (same RDZV_ID) resumes from the newest checkpoint, in both groups.
+    # same command with the same RDZV_ID (the line says) resumes from the newest checkpoint, in
+    # both groups.
     args = ["tests/lose_replica_group.py", *TINY, f"run.output_dir={tmp_path / 'runs'}"]
     env = dict(REPLICA_GROUPS=str(GROUPS), NPROC_PER_NODE="1", TMPDIR=str(tmp_path),
                LIGHTHOUSE_PORT=str(free_port()), RDZV_ID=f"replicas-{tmp_path.name}")
@@ -116,6 +117,9 @@ def test_preempted_replica_groups_each_save_and_the_same_command_resumes(tmp_pat
     assert launch.returncode == 75, output
     saved = [int(step) for step in re.findall(r"preempted: saved step (\d+) ", output)]
     assert len(saved) == GROUPS and min(saved) >= 40, output
+    # The groups' folder is found by the job id alone: each group's line names it.
+    assert output.count(f"run the same command again with RDZV_ID={env['RDZV_ID']}\n") == (
+        GROUPS), output
     newest = sorted(path.name for path in (run_dir / "checkpoints").iterdir())[-1]
     assert newest == f"step-{max(saved):08d}"
 
