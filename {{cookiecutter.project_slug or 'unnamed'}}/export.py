@@ -35,7 +35,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -59,7 +58,7 @@ from ddpkit.dist_utils import DistEnv
 from ddpkit.parallel import build_model
 from ddpkit.tasks import build_task
 from ddpkit.tokens import Vocabulary
-from ddpkit.writes import write_failure
+from ddpkit.writes import write_whole
 
 OUTPUTS = {"pt": checkpoint_files.MODEL_FILE, "safetensors": "model.safetensors",
            "hf": "hf-model"}  # each format's output in the run folder, unless one is given
@@ -234,29 +233,18 @@ def check_hugging_face_target(target: Path) -> None:
 
 
 def written_in_place(target: Path, write) -> None:
-    """`write(path)` makes a file or folder at a temporary path beside `target`, then it is
-    renamed to `target` (an earlier one is replaced): `target` is never half written, and a
-    failed write leaves nothing behind."""
+    """`write(path)` makes a file or folder that replaces `target` whole (writes.write_whole:
+    never half written, nothing left by a failed write, the umask's permissions where
+    safetensors would keep its files to their owner)."""
     from safetensors import SafetensorError  # (both formats that come here write with it)
 
-    target = Path(target)
-    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    earlier = target.with_name(f".{target.name}.old-{os.getpid()}")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write(temporary)
-        readable_as_by_open(temporary)
-        if temporary.is_dir() and target.is_dir():  # a folder cannot replace a full folder
-            os.replace(target, earlier)
-        os.replace(temporary, target)
-    except (OSError, SafetensorError) as error:
-        raise UserError(write_failure(as_os_error(error), target)) from None
-    finally:
-        for path in (temporary, earlier):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            elif path.exists():  # (False too where the parent is not a folder)
-                path.unlink()
+    def write_or_say_why(path: Path) -> None:
+        try:
+            write(path)
+        except SafetensorError as error:
+            raise as_os_error(error) from None
+
+    write_whole(target, write_or_say_why, advice="free space there, or give another output path")
 
 
 def as_os_error(error: Exception) -> OSError:
@@ -266,15 +254,6 @@ def as_os_error(error: Exception) -> OSError:
         return error
     code = re.search(r"\(os error (\d+)\)", str(error))
     return OSError(int(code[1]), os.strerror(int(code[1]))) if code else OSError(str(error))
-
-
-def readable_as_by_open(path: Path) -> None:
-    """The permissions open() would give (the umask's): safetensors writes its files for their
-    owner alone (0600), and an export is often read by others."""
-    umask = os.umask(0)
-    os.umask(umask)  # (reading it sets it: put back at once, before anything else is written)
-    for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
-        file.chmod(0o666 & ~umask)
 
 
 if __name__ == "__main__":

@@ -184,8 +184,8 @@ case "$(head -c 40 "$RUN_SH_STATUS_FILE" 2>/dev/null)" in
   stalled* | failed*) exit 1 ;;
 esac
 # A worker that crashed in native code (its restarted workers left at once, writing `crashed`, or
-# there were no restarts): its stack once and one line (ddpkit/crashes.py), exit 1.
-if [[ "$status" -ne 0 || -s "$RUN_SH_STATUS_FILE" ]] && ! "$python" -m ddpkit.crashes "$launch_tmp"; then
+# there were no restarts): its stack once and one line (ddpkit/crash_report.py), exit 1.
+if [[ "$status" -ne 0 || -s "$RUN_SH_STATUS_FILE" ]] && ! "$python" -m ddpkit.crash_report "$launch_tmp"; then
   exit 1
 fi
 exit "$status"

@@ -46,7 +46,13 @@ from ddpkit.checkpoint_load import cause_of, clean_state_dict, one_line
 from ddpkit.config import UserError
 from ddpkit.dist_utils import DistEnv
 from ddpkit.position import Position, rng_state
-from ddpkit.writes import fsync_folder, write_atomically, write_failure
+from ddpkit.writes import (
+    fsync_folder,
+    put_in_place,
+    remove_whole,
+    write_atomically,
+    write_failure,
+)
 
 
 def tensor_bytes(value) -> int:
@@ -212,9 +218,8 @@ class Checkpointer:
         if not self.env.is_main:
             return
         write_manifest(tmp)  # DCP's save returns on rank 0 once every rank's part is on disk
-        if path.exists():  # a checkpoint of this step from an attempt that ended after it
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        # (A checkpoint of this step that an attempt ending after it left is replaced.)
+        put_in_place(tmp, path, exists="replace")
         fsync_folder(self.folder)
         prune_checkpoints(self.folder, self.keep, self.best)
 
@@ -277,13 +282,13 @@ def prune_checkpoints(folder: Path, keep: int, best: str | None = None) -> None:
 
 def _remove_unless_held(path: Path) -> None:
     """Delete a checkpoint, unless a reader holds it (hold): then a later save prunes it."""
-    doomed = path.with_name(f".{path.name}.tmp-pruned")  # a leftover the next prune removes
     try:
         # r+: NFS takes an exclusive lock only on a file open for writing.
         with open(path / STATE_FILE, "r+b") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.replace(path, doomed)  # under the lock: a reader waits, then finds it gone
-        shutil.rmtree(doomed, ignore_errors=True)
+            # Under the lock: a reader waits, then finds it gone; a leftover of a killed prune
+            # is hidden, and the next prune removes it.
+            remove_whole(path)
         return
     except BlockingIOError:
         return

@@ -38,6 +38,7 @@ from omegaconf import DictConfig
 
 from ddpkit import dist_utils
 from ddpkit.config import UserError
+from ddpkit.writes import write_whole
 
 log = logging.getLogger("ddp")
 
@@ -205,12 +206,9 @@ def write_manifest(folder: Path) -> None:
     last (temporary file, flushed, renamed), so a folder with one holds everything it names."""
     files = {file.name: {"bytes": file.stat().st_size, "crc32": _crc32(file)}
              for file in sorted(Path(folder).iterdir()) if file.is_file()}
-    tmp = Path(folder) / f".{MANIFEST_FILE}.tmp"
-    with open(tmp, "w") as handle:
-        json.dump({"files": files}, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, Path(folder) / MANIFEST_FILE)
+    write_whole(Path(folder) / MANIFEST_FILE,
+                lambda path: path.write_text(json.dumps({"files": files}, indent=1)),
+                report=False)
 
 
 # Deprecated, removed in release 2.0.0 (CHANGELOG.md): a checkpoint without a manifest (format 1,

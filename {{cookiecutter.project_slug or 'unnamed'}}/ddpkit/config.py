@@ -14,7 +14,6 @@ optim.lr=0.01`).
 import difflib
 import functools
 import math
-import os
 import sys
 import textwrap
 from dataclasses import MISSING, fields, is_dataclass
@@ -413,12 +412,9 @@ def yaml_value(value) -> str:
 
 def write_defaults(path: Path = DEFAULT_CONFIG_FILE) -> None:
     """Write configs/default.yaml from the schema, whole or not at all."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    try:
-        temporary.write_text(default_yaml())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    from ddpkit import writes
+
+    writes.write_text(path, default_yaml())
 
 
 def main(argv: list[str]) -> int:

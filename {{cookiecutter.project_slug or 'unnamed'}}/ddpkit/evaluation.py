@@ -40,6 +40,7 @@ from ddpkit.speed import FLOAT32, Speed
 from ddpkit.streams import RankStream
 from ddpkit.supervisor import Supervisor
 from ddpkit.tasks import Task
+from ddpkit.writes import put_in_place
 
 log = logging.getLogger("ddp")
 
@@ -269,7 +270,7 @@ class OutputFolder:
                 if entry.is_file():
                     target = self.path / entry.relative_to(self.staging)
                     target.parent.mkdir(exist_ok=True)
-                    os.replace(entry, target)
+                    put_in_place(entry, target, exists="replace")
         self.done = True
         self.discard()
 

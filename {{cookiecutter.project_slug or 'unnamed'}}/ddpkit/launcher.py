@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from ddpkit.preflight import Refused, preflight
+from ddpkit.writes import write_whole
 
 # The packages training needs: pyproject.toml's dependencies but optuna, which only sweep.py
 # imports (the name to import: pip's name). Looked up without importing them, before anything
@@ -196,10 +197,7 @@ def finish_help(reading: subprocess.Popen, cache: Path | None) -> str:
         raise Refused(f"torchrun --help failed, so torchrun would too: {last}")
     if cache:
         with contextlib.suppress(OSError):  # whole or not at all, whichever launch writes it
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            partial = cache.with_name(f"{cache.name}.{os.getpid()}")
-            partial.write_text(text)
-            os.replace(partial, cache)
+            write_whole(cache, lambda partial: partial.write_text(text), report=False)
     return text
 
 

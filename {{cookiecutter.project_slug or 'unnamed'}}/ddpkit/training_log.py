@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from ddpkit import dist_utils
+from ddpkit import dist_utils, writes
 from ddpkit.config import UserError
 from ddpkit.dist_utils import DistEnv
 from ddpkit.position import Position
@@ -64,9 +64,7 @@ def _keep_records(path: Path, keep) -> None:
     if damaged:
         log.warning("%s: left out %d line(s) that are not whole records (cut short when a job "
                     "was killed?)", path, damaged)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in lines))
-    tmp.replace(path)
+    writes.write_text(path, "".join(f"{line}\n" for line in lines))
 
 
 class Writer:

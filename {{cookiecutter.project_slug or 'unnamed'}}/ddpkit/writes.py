@@ -22,9 +22,7 @@ import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import torch
-
-from ddpkit.config import UserError
+from ddpkit.project import UserError
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 EXISTING = ("replace", "keep", "refuse")  # what write_whole does with a target that exists
@@ -155,6 +153,15 @@ def put_in_place(temporary: Path, target: Path, exists: str) -> bool:
     return True
 
 
+def remove_whole(path: Path) -> None:
+    """Delete a file or folder so that no reader ever sees half of it: renamed to a hidden
+    temporary first (which remove_leftovers takes away if this process is killed), then
+    deleted."""
+    doomed = temporary_path(path)
+    os.replace(path, doomed)
+    remove(doomed)
+
+
 def free_space(folder: Path) -> int:
     with contextlib.suppress(OSError):
         return shutil.disk_usage(folder).free
@@ -169,6 +176,8 @@ def write_text(path: Path, text: str) -> None:
 def write_atomically(state: dict, path: Path) -> None:
     """torch.save to `path`, whole or not at all; an OSError is raised as it is (the callers
     word it with what they know: the bytes needed)."""
+
+    import torch  # (here: the launcher's checks use this module and need no torch)
 
     def save(temporary: Path) -> None:
         with open(temporary, "wb") as handle:

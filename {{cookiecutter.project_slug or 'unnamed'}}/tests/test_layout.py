@@ -98,6 +98,36 @@ def launch(project: Path, nproc: int) -> subprocess.CompletedProcess:
             stderr=subprocess.STDOUT, text=True, timeout=240, check=False)
 
 
+RENAMES = {("os", "replace"), ("os", "rename"), ("os", "renames"), ("shutil", "move")}
+
+
+def renames_in(path: Path) -> list[str]:
+    """Where a file renames a file or folder itself: os.replace / os.rename / shutil.move, or a
+    path's .rename(x) / .replace(x) (one argument: a str's replace takes two, and
+    dataclasses.replace is no rename)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner = node.func.value.id if isinstance(node.func.value, ast.Name) else None
+        by_module = (owner, node.func.attr) in RENAMES
+        by_path = node.func.attr in ("rename", "replace") and len(node.args) == 1 and (
+            owner not in ("os", "shutil", "dataclasses"))
+        if by_module or by_path:
+            found.append(f"{path.relative_to(PROJECT)}:{node.lineno}")
+    return found
+
+
+def test_files_are_renamed_into_place_only_by_the_atomic_write_helper():
+    """Writing whole or not at all is one helper's (ddpkit/writes.py): every writer hands it a
+    function that writes a temporary path, and nothing else renames files into place."""
+    writer = PROJECT / "ddpkit" / "writes.py"
+    sources = [*PROJECT.glob("*.py"), *(PROJECT / "ddpkit").rglob("*.py")]
+    found = [place for path in sources if path != writer for place in renames_in(path)]
+    assert found == []
+    assert renames_in(writer)  # (the check sees the helper's own)
+
+
 @pytest.mark.slow
 def test_a_syntax_error_in_your_model_file_is_one_line_from_rank_0(tmp_path):
     project = project_copy(tmp_path)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from ddpkit import writes
 from ddpkit.config import PROJECT_DIR, UserError
 
 log = logging.getLogger("ddp")
@@ -340,14 +341,8 @@ class Trackers:
         return self.run_dir / STATE_FILE
 
     def _save(self) -> None:
-        path = self._path()
-        tmp = path.with_name(f".{path.name}.tmp")
         with self.saving:
-            try:
-                tmp.write_text(json.dumps(self.state, indent=1, sort_keys=True))
-                tmp.replace(path)
-            finally:
-                tmp.unlink(missing_ok=True)
+            writes.write_text(self._path(), json.dumps(self.state, indent=1, sort_keys=True))
 
     def _fail(self, tracker: Tracker, doing: str, error: BaseException) -> None:
         log.warning("%s: cannot %s (%s: %s); going on without %s", tracker.name, doing,

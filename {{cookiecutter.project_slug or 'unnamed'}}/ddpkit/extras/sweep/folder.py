@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpkit import report
+from ddpkit import report, writes
 from ddpkit.config import UserError
 from ddpkit.extras.sweep.space import plan_trials
 
@@ -62,10 +62,8 @@ class Sweep:
         plan = {"trials": self.trials, "fixed": self.fixed, "nproc": self.nproc,
                 "config_file": self.config_file, "pruned": self.pruned,
                 "drawn_from": self.drawn_from}
-        path = self.folder / PLAN_FILE
-        tmp = path.with_name(f".{path.name}.tmp")  # a stop while writing keeps the old plan
-        tmp.write_text(json.dumps(plan, indent=1) + "\n")
-        tmp.replace(path)
+        # Whole or not at all: a stop while writing keeps the old plan.
+        writes.write_text(self.folder / PLAN_FILE, json.dumps(plan, indent=1) + "\n")
 
     @classmethod
     def load(cls, folder: Path) -> "Sweep":
