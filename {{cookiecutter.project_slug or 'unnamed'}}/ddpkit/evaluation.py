@@ -1,7 +1,7 @@
 """Evaluation as a library: exact metrics of a split on any number of processes, and the files an
 evaluation writes. train.py (validation every epoch) and evaluate.py (a checkpoint) both use it.
 
-Each rank runs the model on its own contiguous block of the split (data.EvalShardSampler: no
+Each rank runs the model on its own contiguous block of the split (samplers.EvalShardSampler: no
 sample twice, none padded in) and keeps what the task asks for each sample: one float64 row
 (task.rows), plus the loss summed in float64. One all-gather brings every rank's rows together in
 rank order, which is the split's own order, and the task computes every metric once over the
@@ -32,10 +32,11 @@ from torch.utils.data import BatchSampler, DataLoader
 from ddpkit import dist_utils
 from ddpkit.checkpoint_files import MODEL_FILE
 from ddpkit.config import UserError
-from ddpkit.data import EvalShardSampler, count_samples, map_tensors, to_device
+from ddpkit.data import count_samples, map_tensors, to_device
 from ddpkit.models import call_model
 from ddpkit.parallel import is_sharded
 from ddpkit.report import SUMMARY_FILE
+from ddpkit.samplers import EvalShardSampler
 from ddpkit.speed import FLOAT32, Speed
 from ddpkit.streams import RankStream
 from ddpkit.supervisor import Supervisor

@@ -8,16 +8,10 @@ from torch.utils.data import DistributedSampler
 
 from conftest import IMAGES, TINY, TINY_SPLIT, fixture
 from ddpkit.config import UserError, load_config
-from ddpkit.data import (
-    DataModule,
-    EvalShardSampler,
-    ShuffledShard,
-    count_samples,
-    map_tensors,
-    to_device,
-)
+from ddpkit.data import DataModule, count_samples, map_tensors, to_device
 from ddpkit.dist_utils import DistEnv
 from ddpkit.parallel import build_model, check_batch_statistics, values_per_channel
+from ddpkit.samplers import EvalShardSampler, ShuffledShard
 from ddpkit.splits import TensorSamples
 from ddpkit.tasks import build_task
 
