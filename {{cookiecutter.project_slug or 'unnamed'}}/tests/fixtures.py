@@ -114,12 +114,18 @@ class RecordedSamples(TensorSamples):
         return super().__getitem__(index)
 
 
-def recorded_vectors(cfg) -> Splits:
-    """vectors whose training reads are written down (RecordedSamples)."""
+def vectors_read_by(samples: type, cfg) -> Splits:
+    """vectors whose training split is `samples` (a TensorSamples that watches its reads), in
+    RecordedOrder."""
     splits = vectors(cfg)
-    splits.train = RecordedSamples(splits.train.inputs, splits.train.targets)
+    splits.train = samples(splits.train.inputs, splits.train.targets)
     splits.train_sampler = RecordedOrder
     return splits
+
+
+def recorded_vectors(cfg) -> Splits:
+    """vectors whose training reads are written down (RecordedSamples)."""
+    return vectors_read_by(RecordedSamples, cfg)
 
 
 class HeldSamples(TensorSamples):
@@ -149,10 +155,7 @@ class HeldSamples(TensorSamples):
 
 def held_vectors(cfg) -> Splits:
     """vectors whose training reads hold at a step until a signal comes (HeldSamples)."""
-    splits = vectors(cfg)
-    splits.train = HeldSamples(splits.train.inputs, splits.train.targets)
-    splits.train_sampler = RecordedOrder
-    return splits
+    return vectors_read_by(HeldSamples, cfg)
 
 
 def images(cfg) -> Splits:
