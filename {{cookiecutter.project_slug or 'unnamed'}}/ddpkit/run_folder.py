@@ -162,7 +162,7 @@ def unfinished_runs(output_dir: Path, name: str) -> list[tuple[Path, str]]:
     """The runs of run.name in `output_dir` that did not finish, newest first (by the time and
     number their folders' names end with), each with how it stands. A folder without
     config.yaml (only the markers of a launch that failed before its run started) is no run."""
-    named = re.compile(rf"{re.escape(name)}-(\d{{8}}-\d{{6}})(?:-(\d+))?")
+    named = re.compile(re.escape(name) + r"-(\d{8}-\d{6})(?:-(\d+))?")
     found = []
     with contextlib.suppress(OSError):
         for path in output_dir.iterdir():

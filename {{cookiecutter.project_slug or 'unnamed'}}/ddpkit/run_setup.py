@@ -69,26 +69,8 @@ def start_run(argv: list[str]) -> Run:
     try:
         with dist_utils.agree_on_errors():  # bad input stops every rank together, reported once
             memory = micro_batch.memory_for(cfg, device)  # micro_batch_size=auto: GPUs only
-            torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP syncs too)
-            data = DataModule(cfg, env, device, train_env)
-            task = build_task(cfg, data.splits)
-            check_best_metric(cfg.train.best_metric, [type(task)],
-                              f"the {cfg.task.name or data.splits.task} task")
-            check_profile_steps(cfg, run_length(cfg, data))
-            input_shape = task.input_shape(data.first_samples()[0])
-            model = build_model(cfg.model, input_shape, task.num_outputs,
-                                task.model_inputs(data.sample_batch()))
-            check_batch_statistics(cfg, values_per_channel(
-                model, functools.partial(build_model, cfg.model, input_shape, task.num_outputs),
-                task.model_inputs(data.sample_batch(1))), data.micro_batch_size,
-                data.smallest_micro_batch(), train_env.world_size)
-            speed = resolve_speed(cfg, device, input_shape)
-            check_optim(cfg)
-            if cfg.guard.enabled and groups:
-                raise UserError("guard.enabled does not work with replica groups yet (each "
-                                "group's step is voted on): set guard.enabled=false")
-            if tracking_on(cfg):
-                trackers().check_installed(cfg)
+            data, task, model, input_shape, speed = checked_parts(cfg, env, device, train_env,
+                                                                  groups)
         resume_from, saved_config = resume_point(cfg, folder.path)
     except BaseException:
         folder.discard_if_unused()  # a launch that failed before training leaves no folder
@@ -118,6 +100,33 @@ def start_run(argv: list[str]) -> Run:
     if run.trackers:  # before step 1: the tracker run exists (or its failure is said) at once
         run.trackers.start()
     return run
+
+
+def checked_parts(cfg: DictConfig, env: dist_utils.DistEnv, device: torch.device,
+                  train_env: dist_utils.DistEnv, groups: tuple | None) -> tuple:
+    """The data, task and model of the run, its input shape and speed settings, each checked
+    before any step (a mistake is one line): (data, task, model, input_shape, speed)."""
+    torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP syncs too)
+    data = DataModule(cfg, env, device, train_env)
+    task = build_task(cfg, data.splits)
+    check_best_metric(cfg.train.best_metric, [type(task)],
+                      f"the {cfg.task.name or data.splits.task} task")
+    check_profile_steps(cfg, run_length(cfg, data))
+    input_shape = task.input_shape(data.first_samples()[0])
+    model = build_model(cfg.model, input_shape, task.num_outputs,
+                        task.model_inputs(data.sample_batch()))
+    check_batch_statistics(cfg, values_per_channel(
+        model, functools.partial(build_model, cfg.model, input_shape, task.num_outputs),
+        task.model_inputs(data.sample_batch(1))), data.micro_batch_size,
+        data.smallest_micro_batch(), train_env.world_size)
+    speed = resolve_speed(cfg, device, input_shape)
+    check_optim(cfg)
+    if cfg.guard.enabled and groups:
+        raise UserError("guard.enabled does not work with replica groups yet (each "
+                        "group's step is voted on): set guard.enabled=false")
+    if tracking_on(cfg):
+        trackers().check_installed(cfg)
+    return data, task, model, input_shape, speed
 
 
 def start_processes(argv: list[str]
