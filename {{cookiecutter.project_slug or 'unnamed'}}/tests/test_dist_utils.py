@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import PROJECT, TINY, RunsCode, command_env
-from ddpkit import checkpoint, checkpoint_load, dist_utils, run_folder, writes
+from ddpkit import checkpoint, checkpoint_load, dist_utils, run_folder
 from ddpkit.config import UserError, load_config
 from ddpkit.parallel import unwrap
 from fixtures import MLP
@@ -82,7 +82,7 @@ def test_save_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
         handle.write(b"PK\x03\x04 partial bytes")
         raise OSError("disk full")
 
-    monkeypatch.setattr(writes.torch, "save", write_half_then_fail)
+    monkeypatch.setattr(torch, "save", write_half_then_fail)  # (writes.py imports it at use)
     with pytest.raises(UserError, match=f"cannot write {path}: disk full"):
         checkpoint.export_model({"w": torch.zeros(2)}, path, 2, OmegaConf.create(), "trained")
     assert torch.equal(checkpoint_load.load_checkpoint(path)["model"]["w"], torch.ones(2))
