@@ -20,10 +20,7 @@ is ddpkit/validation.py; train.fast_dev_run is ddpkit/smoke.py.
 
 import logging
 import math
-import sys
 import time
-
-from tqdm import tqdm
 
 from ddpkit import lifecycle, recipes
 from ddpkit.config import given_keys, notes_at_start
@@ -73,7 +70,7 @@ def train_epochs(run: Run) -> None:
            and not validation.stopped_early):
         model.train()
         training_log.start_epoch(resumed_within=position.step_in_epoch > 0)
-        bar = progress_bar(run)
+        bar = run.progress_bar()
         for micro_batches in epoch_steps(run):
             values, samples, grad_norm = step(model, optimizer, micro_batches, task, device,
                                               speed, scaler, grad_clip)
@@ -140,15 +137,6 @@ def validated(run: Run, record: dict | None) -> None:
         keep_best(run)
     if run.validation.stopped_early:
         log_early_stop(run.validation)
-
-
-def progress_bar(run: Run) -> tqdm:
-    """The epoch's progress bar: rank 0, on a terminal, unless train.progress_bar=false."""
-    show = run.env.is_main and run.cfg.train.progress_bar and sys.stderr.isatty()
-    epoch = f"epoch {run.position.epoch + 1}/{run.cfg.train.epochs}"
-    where = "steps" if run.data.by_steps else epoch
-    return tqdm(total=run.data.steps_per_epoch, initial=run.position.step_in_epoch, leave=False,
-                desc=where, disable=not show)
 
 
 if __name__ == "__main__":

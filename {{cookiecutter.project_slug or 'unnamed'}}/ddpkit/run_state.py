@@ -3,12 +3,14 @@ learner's work of one step (train_step, forward_backward, epoch_steps)."""
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from tqdm import tqdm
 
 from ddpkit import checkpoint, dist_utils
 from ddpkit.data import DataModule, count_samples, detached, to_device
@@ -95,6 +97,14 @@ class Run:
         if self.evaluated is None:
             self.evaluated = for_evaluation(self.model, self.speed)
         return self.evaluated
+
+    def progress_bar(self) -> tqdm:
+        """The epoch's progress bar: rank 0, on a terminal, unless train.progress_bar=false."""
+        show = self.env.is_main and self.cfg.train.progress_bar and sys.stderr.isatty()
+        epoch = f"epoch {self.position.epoch + 1}/{self.cfg.train.epochs}"
+        return tqdm(total=self.data.steps_per_epoch, initial=self.position.step_in_epoch,
+                    leave=False, desc="steps" if self.data.by_steps else epoch,
+                    disable=not show)
 
     def rates(self) -> dict[str, float]:
         """The learning rates of the step about to run, as the optimizer holds them (whichever
