@@ -21,3 +21,9 @@ def test_baked_project_suite_and_lint(baked_suite):
     print(output[-6000:])  # its slowest tests, any skip and why (`pytest -rP` shows it)
     assert status == 0, output
     assert " passed" in output and "failed" not in output
+    # The README's install skips the tests of optional features, naming their extras; they ran
+    # again where every extra is installed, and passed.
+    readme_install, _, every_extra = output.partition("== the tests it skipped")
+    assert "needs the transformers extra" in readme_install, readme_install[-3000:]
+    summary = every_extra.split("short test summary")[-1]
+    assert " passed" in every_extra and "skipped" not in summary, every_extra[-3000:]
