@@ -255,6 +255,24 @@ def _check_keys(path: Path, metadata: Metadata, targets: dict) -> None:
             raise UserError(f"checkpoint {path} does not fit the model: {detail}")
 
 
+def _skip_unsaved_optimizer_state(targets: dict, metadata: Metadata) -> None:
+    """Leave out of the optimizer's targets the parameters the checkpoint holds no state for.
+
+    An optimizer makes a parameter's state at its first gradient, so one that never had any (a
+    head the run leaves unused) has none in a checkpoint; a fresh optimizer's state_dict() holds
+    every parameter's (torch fills it), and DCP would ask the checkpoint for the missing ones.
+    A parameter with part of its state missing is still asked for: that is damage."""
+    state = targets.get("optimizer", {}).get("state")
+    if not state:
+        return
+    prefix = "optimizer.state."
+    # A state entry's own name (step, exp_avg, momentum_buffer) has no dot; a parameter's may.
+    saved = {key[len(prefix):].rsplit(".", 1)[0] for key in metadata.state_dict_metadata
+             if key.startswith(prefix)}
+    for name in [name for name in state if name not in saved]:
+        del state[name]
+
+
 def read_sharded(path: Path, targets: dict, distributed: bool) -> None:
     """Fill `targets` (part name -> its state dict, in the layout of this run: plain tensors, or
     this rank's shards) from a checkpoint folder, in place. DCP reads what each rank needs,
@@ -367,6 +385,7 @@ def restore_parts(source: Path, parts: dict, env: DistEnv) -> Position:
     targets = {name: parts[name].state_dict() for name in SHARDED_PARTS
                if parts.get(name) is not None and (name in saved or name != "ema")}
     _check_keys(source, metadata, targets)
+    _skip_unsaved_optimizer_state(targets, metadata)
     read_sharded(source, targets, distributed=dist.is_initialized())
     try:
         for name, part in parts.items():

@@ -10,6 +10,7 @@ which of the two it is from the training loop. The models themselves are in ddpk
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -364,7 +365,10 @@ class ModelState:
             set_model_state_dict(self.model, state, options=self.options)
             return
         names = [group.get("name") for group in self.optimizer.param_groups]
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=self.options)
+        # Not strict: a parameter that never had a gradient has no state to load (the saved
+        # state replaces the live one, so it has none after the load either, as when saved).
+        options = replace(self.options or StateDictOptions(), strict=False)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
         for group, name in zip(self.optimizer.param_groups, names, strict=True):
             if name is not None:  # the saved groups replace the live ones, names and all
                 group["name"] = name

@@ -3,6 +3,7 @@ on (Supervisor.should_stop), or, in a one-shot command, at once (stop_at_once); 
 thread that names the rank a stalled job waits for.
 """
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -148,6 +149,7 @@ class Supervisor:
             global _WATCHDOG
             _WATCHDOG = Watchdog(self, timeout_minutes * 60)
             _WATCHDOG.start()
+            atexit.register(_WATCHDOG.stop)
 
     def should_stop(self, first: bool = False) -> bool:
         """Whether every rank has agreed to stop for a preemption signal (collective)."""
@@ -204,6 +206,19 @@ class Watchdog(threading.Thread):
                                    is_master=False, timeout=datetime.timedelta(seconds=30))
         self.reported = threading.Event()  # the job's stall is reported (by any rank)
         self.leaving = threading.Event()
+        self.stopping = threading.Event()
+
+    def stop(self) -> None:
+        """End the thread, from the exit handlers (before the interpreter's teardown).
+
+        A daemon thread still running at the teardown is ended by the interpreter where it next
+        takes the interpreter lock; the watchdog takes it on coming back from a store call, in
+        native code that cannot be unwound, and the process aborts ("terminate called without an
+        active exception"; seen as a rank of a finished run killed by SIGABRT)."""
+        if threading.current_thread() is self:
+            return
+        self.stopping.set()
+        self.join(timeout=30)  # the store's own timeout bounds a call in flight
 
     def stall_reported(self) -> bool:
         """Whether a rank has reported the job stalled: then a collective that fails on this
@@ -230,8 +245,7 @@ class Watchdog(threading.Thread):
 
     def run(self) -> None:
         seen, since = None, time.monotonic()
-        while True:
-            time.sleep(self.period)
+        while not self.stopping.wait(self.period):
             where, waiting = self.where()
             progress = self.supervisor.progress
             if progress != seen or not waiting:

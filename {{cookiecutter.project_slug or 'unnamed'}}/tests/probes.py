@@ -12,11 +12,14 @@ Usage: torchrun --nproc_per_node=N tests/probes.py PROBE OUT_DIR key=value...
                  give the batches of in-process loading, and each worker's random state
   streams        OUT_DIR/rank<R>.json: a stream's steps (ids, drawn features, weight) in two
                  epochs and from a resumed step, and this rank's test ids
+  watchdog       nothing: the process ends while its stall watchdog calls the rendezvous
+                 store without pause (the exit code says whether it ended cleanly)
 """
 
 import json
 import random
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,6 +38,7 @@ from ddpkit.parallel import build_model, wrap_model  # noqa: E402
 from ddpkit.run_state import train_step  # noqa: E402
 from ddpkit.speed import FLOAT32  # noqa: E402
 from ddpkit.splits import TensorSamples  # noqa: E402
+from ddpkit.supervisor import Supervisor, running_watchdog  # noqa: E402
 from ddpkit.tasks import build_task  # noqa: E402
 
 
@@ -146,8 +150,19 @@ def streams(cfg, env, data, out_dir: Path) -> None:
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(record))
 
 
+def watchdog(cfg, env, data, out_dir: Path) -> None:
+    Supervisor(env, timeout_minutes=2)
+    dog = running_watchdog()
+    dog.period = 0.0  # from its next round on, one store call after another,
+    dog.where = lambda: ("tests/probes.py", False)  # with little in between
+    report, deadline = f"{dog.prefix}rank{env.rank}", time.monotonic() + 60
+    while not dog.store.check([report]) and time.monotonic() < deadline:
+        time.sleep(0.01)  # (polls: the watchdog's first report, after its first period)
+
+
 PROBES = {"shards": shards, "padding-bias": padding_bias, "allreduce": allreduce,
-          "workers": workers, "streams": streams}
+          "workers": workers, "streams": streams,
+          "watchdog": watchdog}
 
 
 def main(argv: list[str]) -> None:

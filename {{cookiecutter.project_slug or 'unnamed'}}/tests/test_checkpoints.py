@@ -227,3 +227,19 @@ def test_asynchronous_saves_stage_into_the_same_buffers_each_time():
     assert torch.equal(second["weight"], state["weight"]) and second["opt"]["lr"] == 0.1
     assert second["weight"].data_ptr() != state["weight"].data_ptr()  # a copy, not the original
     stager.close()
+
+
+def test_a_parameter_that_never_had_a_gradient_resumes_bitwise(tmp_path):
+    # The optimizer keeps no state for a head the model never uses, so its checkpoints hold
+    # none; a fresh optimizer's state covers every parameter, and the resume must not ask the
+    # checkpoint for the missing entries (it once failed, calling the checkpoint damaged).
+    args = [sys.executable, "train.py", *TINY, f"model.name={fixture('unused_head')}"]
+    whole = run([*args, f"run.dir={tmp_path / 'whole'}"])
+    assert whole.returncode == 0, whole.stdout
+    first = list_checkpoints(tmp_path / "whole" / "checkpoints")[0]
+    assert not any(key.startswith("state.spare_head.") for key in read_tensors(first, "optimizer"))
+    resumed = run([*args, f"train.resume={first}", f"run.dir={tmp_path / 'resumed'}"])
+    assert resumed.returncode == 0, resumed.stdout
+    assert "resumed from" in resumed.stdout, resumed.stdout
+    assert f"step {int(first.name[5:])}," in resumed.stdout, resumed.stdout
+    assert_bitwise_equal(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "whole"))

@@ -274,6 +274,15 @@ def test_padding_sampler_would_bias_the_metrics(tmp_path):
     assert report["padded"]["average_precision_macro"] != report["exact"]["average_precision_macro"]
 
 
+def test_the_stall_watchdog_ends_before_the_interpreter(tmp_path):
+    # A daemon thread in a store call when the interpreter tears down is ended there, in native
+    # code that cannot unwind: the rank aborted ("terminate called without an active
+    # exception"), at the end of a run that had finished, and torchrun restarted it.
+    result = torchrun(2, "tests/probes.py", "watchdog", str(tmp_path), *TINY)
+    assert result.returncode == 0, result.stdout
+    assert "terminate called" not in result.stdout, result.stdout
+
+
 @pytest.mark.slow
 # Accumulation is where an extra all-reduce would hide (each micro-batch's backward); without
 # it, one backward a step, the count is the same one per step.
