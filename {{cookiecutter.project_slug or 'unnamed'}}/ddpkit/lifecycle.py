@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from ddpkit import crashes
+from ddpkit import collector_as_usual, crashes
 from ddpkit.dist_utils import describe_failures, is_rank_0
 from ddpkit.exits import (
     end_cleanly,
@@ -201,6 +201,7 @@ def run_main(main: Callable[[list[str]], None], one_shot: bool = False) -> None:
     written (supervisor.stop_at_once); training, and a command of several processes, stop
     where every rank agrees to (supervisor.Supervisor)."""
     install()
+    collector_as_usual()
     try:
         if one_shot and world_size_given() <= 1:
             stop_at_once()

@@ -5,6 +5,7 @@ Runs name them by file: data.dataset=tests/fixtures.py:vectors model.name=tests/
 """
 
 import functools
+import gc
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
-from ddpkit import supervisor
+from ddpkit import STARTUP_COLLECTION, supervisor
 from ddpkit.config import UserError
 from ddpkit.splits import Splits, TensorSamples, array_splits, split_indices
 from ddpkit.streams import ShardedStream
@@ -331,6 +332,8 @@ class MLP(nn.Module):
 
 
 def mlp(cfg, input_shape, num_outputs: int) -> nn.Module:
+    # The user's code runs with the garbage collector as usual (a command starts with it rare).
+    assert gc.get_threshold()[0] != STARTUP_COLLECTION, "the collector still runs rarely"
     return MLP(int(np.prod(input_shape)), num_outputs, cfg.hidden_dim, cfg.num_layers,
                cfg.dropout, cfg.batchnorm)
 
