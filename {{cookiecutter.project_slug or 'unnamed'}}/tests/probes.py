@@ -1,6 +1,9 @@
 """Run under torchrun by test_distributed.py: observe what the ranks really do.
 
-Usage: torchrun --nproc_per_node=N tests/probes.py PROBE OUT_DIR key=value...
+Usage: torchrun --nproc_per_node=N tests/probes.py PROBE[,PROBE...] OUT_DIR key=value...
+
+Several probes named with commas run one after the other in the same processes, each on a
+DataModule of its own: one launch for the checks of one setting.
 
   shards         OUT_DIR/rank<R>.json: the train-set indices of each epoch, in the order the
                  training loop receives them, and the test indices of this rank's eval shard
@@ -166,11 +169,12 @@ PROBES = {"shards": shards, "padding-bias": padding_bias, "allreduce": allreduce
 
 
 def main(argv: list[str]) -> None:
-    probe, out_dir, cfg = argv[0], Path(argv[1]), load_config(argv[2:])
+    probes, out_dir, cfg = argv[0].split(","), Path(argv[1]), load_config(argv[2:])
     env = dist_utils.get_dist_env()
     device = torch.device("cpu")
     dist_utils.init_distributed(env, device, "gloo", timeout_minutes=2)
-    PROBES[probe](cfg, env, DataModule(cfg, env, device), out_dir)
+    for probe in probes:
+        PROBES[probe](cfg, env, DataModule(cfg, env, device), out_dir)
 
 
 if __name__ == "__main__":

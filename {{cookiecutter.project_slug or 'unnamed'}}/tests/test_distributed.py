@@ -2,6 +2,7 @@
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,12 +24,26 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import TINY, TINY_SPLIT, fixture, only_run_dir, run, torchrun
 from ddpkit.checkpoint_load import read_model
 
+# The probes of tests/probes.py that look at TINY's ranks, in one launch: 3 processes (228 train
+# samples: 76 each; uneven eval shards), 2 accumulation steps (where an extra all-reduce would
+# hide: each micro-batch's backward; without it, one backward a step, the count is the same one
+# per step).
+PROBED_WORLD, PROBED_ACCUM = 3, 2
 
-@pytest.mark.parametrize("world_size", [3])  # 228 train samples: 76 each, uneven eval shards
-def test_each_rank_sees_its_own_shard(tmp_path, world_size):
-    result = torchrun(world_size, "tests/probes.py", "shards", str(tmp_path), *TINY)
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory) -> Path:
+    """The folder the shards, padding-bias and allreduce probes wrote their reports to."""
+    out = tmp_path_factory.mktemp("probes")
+    result = torchrun(PROBED_WORLD, "tests/probes.py", "shards,padding-bias,allreduce", str(out),
+                      *TINY, f"train.grad_accum_steps={PROBED_ACCUM}")
     assert result.returncode == 0, result.stdout
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+    return out
+
+
+def test_each_rank_sees_its_own_shard(probed):
+    world_size = PROBED_WORLD
+    ranks = [json.loads((probed / f"rank{r}.json").read_text()) for r in range(world_size)]
 
     for epoch in range(len(ranks[0]["train"])):
         shards = [set(rank["train"][epoch]) for rank in ranks]
@@ -264,12 +279,11 @@ def test_evaluation_takes_model_and_task_from_the_checkpoint_and_data_from_the_c
 
 
 @pytest.mark.slow
-def test_padding_sampler_would_bias_the_metrics(tmp_path):
-    result = torchrun(2, "tests/probes.py", "padding-bias", str(tmp_path), *TINY)
-    assert result.returncode == 0, result.stdout
-    report = json.loads((tmp_path / "bias.json").read_text())
+def test_padding_sampler_would_bias_the_metrics(probed):
+    report = json.loads((probed / "bias.json").read_text())
     assert report["exact"]["num_samples"] == TINY_SPLIT["test"]  # 71
-    assert report["padded"]["num_samples"] == TINY_SPLIT["test"] + 1  # one sample scored twice
+    assert TINY_SPLIT["test"] % PROBED_WORLD == PROBED_WORLD - 1  # padded with one sample ...
+    assert report["padded"]["num_samples"] == TINY_SPLIT["test"] + 1  # ... scored twice
     assert report["padded"]["loss"] != pytest.approx(report["exact"]["loss"], rel=1e-9)
     assert report["padded"]["average_precision_macro"] != report["exact"]["average_precision_macro"]
 
@@ -284,16 +298,10 @@ def test_the_stall_watchdog_ends_before_the_interpreter(tmp_path):
 
 
 @pytest.mark.slow
-# Accumulation is where an extra all-reduce would hide (each micro-batch's backward); without
-# it, one backward a step, the count is the same one per step.
-@pytest.mark.parametrize("accum", [2])
-def test_gradient_allreduce_runs_once_per_optimizer_step(tmp_path, accum):
-    result = torchrun(2, "tests/probes.py", "allreduce", str(tmp_path), *TINY,
-                      f"train.grad_accum_steps={accum}")
-    assert result.returncode == 0, result.stdout
-    report = json.loads((tmp_path / "allreduce.json").read_text())
+def test_gradient_allreduce_runs_once_per_optimizer_step(probed):
+    report = json.loads((probed / "allreduce.json").read_text())
     assert report["steps"] == TINY_SPLIT["train"] // 12
-    assert report["micro_batches"] == accum * report["steps"]
+    assert report["micro_batches"] == PROBED_ACCUM * report["steps"]
     # The tiny model fits in one DDP bucket: one all-reduce per step, whatever accum is.
     assert report["allreduce_calls"] == report["steps"]
 
@@ -370,7 +378,7 @@ def test_run_sh_rejects_bad_overrides_once(tmp_path, tiny_args, override, messag
 @pytest.mark.slow
 def test_bare_torchrun_reports_a_config_error_once(tiny_args):
     # No run.sh preflight here: the workers themselves agree that rank 0 reports it.
-    result = torchrun(3, "train.py", *tiny_args, "optim.lrr=0.1")
+    result = torchrun(2, "train.py", *tiny_args, "optim.lrr=0.1")
     assert result.returncode != 0
     assert result.stdout.count("optim.lrr is not a config key") == 1, result.stdout
 

@@ -84,11 +84,20 @@ def test_export_best_needs_the_best_checkpoint():
         load_config(["train.export=best", "train.keep_best=false"])
 
 
-def test_step_cadence_keeps_the_best_beside_the_newest_and_exports_it(tmp_path):
-    run_dir = tmp_path / "run"
-    result = run(["./run.sh", *CADENCE, *FIRST_IS_BEST, "train.export=best",
+@pytest.fixture(scope="module")
+def cadence_run(tmp_path_factory) -> tuple[Path, str]:
+    """CADENCE's run at 2 processes, model.pt from the best weights (a checkpoint every 20 steps,
+    each step logged): its folder and its output. The step cadence test's run, and the
+    uninterrupted reference of the DDP preemption test below."""
+    run_dir = tmp_path_factory.mktemp("cadence") / "run"
+    result = run(["./run.sh", *CADENCE, *FIRST_IS_BEST, "train.export=best", "train.log_every=1",
                   f"run.dir={run_dir}"], NPROC_PER_NODE="2")
     assert result.returncode == 0, result.stdout
+    return run_dir, result.stdout
+
+
+def test_step_cadence_keeps_the_best_beside_the_newest_and_exports_it(tmp_path, cadence_run):
+    run_dir, output = cadence_run
     records = epoch_records(run_dir)
     assert [(r["step"], r.get("mid_epoch", False)) for r in records] == [
         (7, True), (14, True), (19, False), (21, True), (28, True), (35, True), (38, False),
@@ -107,7 +116,7 @@ def test_step_cadence_keeps_the_best_beside_the_newest_and_exports_it(tmp_path):
     assert all(torch.equal(exported["model"][k], v) for k, v in read_model(best).items())
     # Evaluating the run folder scores what it exported, as the hint at its end says.
     assert (f"evaluate with: ./run.sh evaluate.py eval.checkpoint={run_dir} (its model.pt: the "
-            "best validation's weights, step 7)") in result.stdout
+            "best validation's weights, step 7)") in output
     assert evaluate.chosen(str(run_dir)) == run_dir / "model.pt"
 
     again = run([sys.executable, "export.py", str(run_dir), str(tmp_path / "best.pt"),
@@ -165,12 +174,15 @@ def test_an_unknown_best_metric_stops_the_run_with_one_line_from_rank_0(tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [[], ["parallel.strategy=fsdp", "train.checkpoint_async=true"]],
                          ids=["ddp-sync", "fsdp-async"])
-def test_a_preemption_inside_a_validation_keeps_the_best(tmp_path, variant):
+def test_a_preemption_inside_a_validation_keeps_the_best(tmp_path, request, variant):
     args = [*CADENCE, *FIRST_IS_BEST, "train.log_every=1", "train.ckpt_every=0",
             "train.export=best", *variant]
-    reference = tmp_path / "reference"
-    result = run(["./run.sh", *args, f"run.dir={reference}"], NPROC_PER_NODE="2")
-    assert result.returncode == 0, result.stdout
+    if variant:  # the uninterrupted run of these settings
+        reference = tmp_path / "reference"
+        result = run(["./run.sh", *args, f"run.dir={reference}"], NPROC_PER_NODE="2")
+        assert result.returncode == 0, result.stdout
+    else:  # DDP's: the step cadence test's run, the same but for its periodic checkpoints
+        reference = request.getfixturevalue("cadence_run")[0]
 
     run_dir, marker = tmp_path / "preempted", tmp_path / "validating"
     job = {"RDZV_ID": f"validation-{tmp_path.name}"}
