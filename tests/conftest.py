@@ -75,7 +75,10 @@ def apply_edit(project: Path, action: str, body: str) -> None:
 
 
 BAKED_SUITE = "tests/test_baked_project.py::test_baked_project_suite_and_lint"
-SUITE_LIMIT = 1800  # seconds from its start: a hang fails the test instead of the CI run
+# Seconds from its start: a hang fails the test instead of the CI run. A guard against hangs,
+# not the suite's time goal (CONTRIBUTING.md): on a CI machine the suite shares both cores with
+# the template's other tests and has taken more than 1800 s (12-08).
+SUITE_LIMIT = 2700
 # A skipped test's reason, in the baked suite, when it needs an optional part a user installs
 # (tests/conftest.py's needs_extra there: "needs the mlflow extra: pip install ...").
 NEEDS = re.compile(r"\bneeds (the \w+ extra|kubeflow-trainer-api)\b")
@@ -177,11 +180,13 @@ class BakedSuite:
             self.status = -1
 
     def result(self) -> tuple[int, str]:
-        """Its exit status and output, once it has ended (TimeoutExpired past SUITE_LIMIT)."""
+        """Its exit status and output, once it has ended (a failure past SUITE_LIMIT)."""
         limit = max(1.0, self.started + SUITE_LIMIT - time.monotonic())
         self.thread.join(timeout=limit)
-        if self.thread.is_alive():
-            raise subprocess.TimeoutExpired("the baked suite", SUITE_LIMIT)
+        if self.thread.is_alive():  # what it printed so far says where it was
+            tail = self.log.read_text()[-6000:] if self.log.is_file() else ""
+            raise AssertionError(f"the baked suite ran past {SUITE_LIMIT} s; its output so "
+                                 f"far ends:\n{tail}")
         return self.status, self.log.read_text()
 
     def stop(self) -> None:
