@@ -21,8 +21,8 @@ from pathlib import Path as _Path
 STARTUP_COLLECTION = 100_000
 _COLLECTOR = _gc.get_threshold()
 if "torch" not in _sys.modules and _sys.argv and (
-        _sys.argv[0] == "-m" or _Path(_sys.argv[0]).resolve().parent
-        == _Path(__file__).resolve().parents[1]):
+        _sys.argv[0] == "-m" or _sys.argv[0].endswith(".py") and _Path(_sys.argv[0]).resolve()
+        .parent == _Path(__file__).resolve().parents[1]):  # (not `python -c`: no run_main)
     _gc.set_threshold(STARTUP_COLLECTION, *_COLLECTOR[1:])
 
 

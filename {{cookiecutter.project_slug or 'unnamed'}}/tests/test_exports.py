@@ -89,6 +89,7 @@ def test_an_fsdp_checkpoint_exports_to_safetensors_that_reload_with_equal_output
 
 @pytest.mark.slow
 def test_hf_of_a_model_that_is_not_a_hugging_face_model_is_one_line(fsdp_gpt):
+    needs_extra("transformers")  # without it, --format hf first says to install it
     result = run([sys.executable, "export.py", str(fsdp_gpt), "--format", "hf"])
     assert result.returncode == 2, result.stdout
     assert result.stdout.splitlines() == [
