@@ -77,8 +77,8 @@ def apply_edit(project: Path, action: str, body: str) -> None:
 BAKED_SUITE = "tests/test_baked_project.py::test_baked_project_suite_and_lint"
 # Seconds from its start: a hang fails the test instead of the CI run. A guard against hangs,
 # not the suite's time goal (CONTRIBUTING.md): on a CI machine the suite shares both cores with
-# the template's other tests and has taken more than 1800 s (12-08).
-SUITE_LIMIT = 2700
+# the template's other tests: 2480 s for its first part alone in a fresh-clone run (12-08).
+SUITE_LIMIT = 3600
 # A skipped test's reason, in the baked suite, when it needs an optional part a user installs
 # (tests/conftest.py's needs_extra there: "needs the mlflow extra: pip install ...").
 NEEDS = re.compile(r"\bneeds (the \w+ extra|kubeflow-trainer-api)\b")
